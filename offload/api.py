@@ -1,0 +1,173 @@
+"""The standalone API: kvtier for any engine, in one process.
+
+An engine that is not vLLM drives an ``Offloader`` with its own block keys and block ids::
+
+    offloader = Offloader(kv_caches, groups=[layer_names], config="tiers.toml")
+    job = offloader.store(keys, block_ids)        # after prefill: copy blocks out
+    n = offloader.lookup(keys)                    # on a new request: how long a prefix hits
+    job = offloader.load(keys[:n], free_block_ids)
+    for result in offloader.poll(): ...           # once per step: finished jobs
+
+Keys are bytes shaped like vLLM's ``OffloadKey`` (``offload.keys.make_key``); the group
+index in a key says which KV group's block table ``block_ids`` refers to. ``block_ids[i]``
+(or ``blocks_per_key`` consecutive entries from ``i * blocks_per_key``) is key ``i``'s
+device block. Nothing blocks except ``wait``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.config import ConfigError, KVTierConfig, default_config, load_config
+from offload.keys import OffloadKey, key_group
+from offload.layout import CanonicalKVCaches, canonicalize
+from offload.manager import LookupResult, OffloadingManager
+from offload.worker import OffloadingWorker, TransferResult
+from policies import make_policy
+from tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+
+
+class Offloader:
+    """Manager, worker and host tier wired together for one engine process."""
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        groups: Sequence[Sequence[str]],
+        config: KVTierConfig | Mapping[str, Any] | str | Path | None = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        block_dims: Mapping[str, int] | None = None,
+        blocks_per_key: int = 1,
+    ) -> None:
+        if config is None:
+            config = default_config()
+        elif not isinstance(config, KVTierConfig):
+            config = load_config(config)
+        self.config = config
+        if config.lower_tiers:
+            kind = config.lower_tiers[0].kind
+            raise ConfigError(
+                f"tiers[1].kind = {kind!r}: this tier is not available in this version of kvtier"
+            )
+        self.caches: CanonicalKVCaches = canonicalize(
+            kv_caches, groups, num_blocks=num_blocks, block_size=block_size, block_dims=block_dims
+        )
+        self.blocks_per_key = blocks_per_key
+        host_cfg = config.host
+        row_bytes = [self.caches.row_bytes(g) * blocks_per_key for g in range(self.caches.num_groups)]
+        self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
+        self.manager = OffloadingManager(
+            self.caches.num_groups,
+            self.host.num_slots,
+            lambda capacity: make_policy(host_cfg.eviction, capacity, **host_cfg.eviction_params),
+        )
+        self.worker = OffloadingWorker(self.caches, self.host, blocks_per_row=blocks_per_key)
+        self._job_ids = itertools.count(1)
+        self._jobs: dict[int, tuple[bool, list[OffloadKey]]] = {}
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` can be loaded now."""
+        for count, key in enumerate(keys):
+            if self.manager.lookup(key) is not LookupResult.HIT:
+                return count
+        return len(keys)
+
+    def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> int | None:
+        """Start copying the blocks of ``keys`` out; the job id, or ``None`` if the tier is full.
+
+        Keys already stored are skipped (the job may then move nothing). ``None`` means every
+        row that could make room is pinned or in flight: nothing was stored, nothing changed.
+        """
+        blocks_of = self._blocks_by_key(keys, block_ids)
+        prepared = self.manager.prepare_store(keys)
+        if prepared is None:
+            return None
+        job_id = next(self._job_ids)
+        spec = prepared.store_spec
+        self._submit(job_id, spec.keys, spec.per_group(self.caches.num_groups), blocks_of, is_store=True)
+        return job_id
+
+    def load(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> int:
+        """Start copying stored rows into device blocks; every key must be a hit (see ``lookup``)."""
+        blocks_of = self._blocks_by_key(keys, block_ids)
+        spec = self.manager.prepare_load(keys)
+        self.manager.touch(keys)
+        job_id = next(self._job_ids)
+        try:
+            self._submit(job_id, spec.keys, spec.per_group(self.caches.num_groups), blocks_of, is_store=False)
+        except ValueError:
+            self.manager.complete_load(keys)
+            raise
+        return job_id
+
+    def poll(self) -> list[TransferResult]:
+        """Finished jobs since the last call; their rows become readable or are released."""
+        results = self.worker.get_finished()
+        for result in results:
+            is_store, keys = self._jobs.pop(result.job_id)
+            if is_store:
+                self.manager.complete_store(keys, success=result.success)
+            else:
+                self.manager.complete_load(keys)
+        return results
+
+    def wait(self, job_ids: Sequence[int] | None = None) -> list[TransferResult]:
+        """Block until the jobs (default: all) finish; returns what ``poll`` returns."""
+        self.worker.wait(list(self._jobs) if job_ids is None else job_ids)
+        return self.poll()
+
+    def stats(self) -> dict[str, int]:
+        return self.manager.stats.as_dict()
+
+    def close(self) -> None:
+        self.wait()
+        self.worker.shutdown()
+        self.host.close()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _blocks_by_key(
+        self, keys: Sequence[OffloadKey], block_ids: Sequence[int]
+    ) -> dict[OffloadKey, list[int]]:
+        per = self.blocks_per_key
+        if len(block_ids) != len(keys) * per:
+            raise ValueError(f"{len(keys)} keys need {len(keys) * per} block ids, got {len(block_ids)}")
+        for key in keys:
+            if key_group(key) >= self.caches.num_groups:
+                raise ValueError(f"key {key.hex()} names group {key_group(key)} of {self.caches.num_groups}")
+        return {key: list(block_ids[i * per : (i + 1) * per]) for i, key in enumerate(keys)}
+
+    def _submit(
+        self,
+        job_id: int,
+        keys: list[OffloadKey],
+        slots: list[list[int]],
+        blocks_of: dict[OffloadKey, list[int]],
+        *,
+        is_store: bool,
+    ) -> None:
+        blocks: list[list[int]] = [[] for _ in range(self.caches.num_groups)]
+        for key in keys:
+            blocks[key_group(key)].extend(blocks_of[key])
+        submit = self.worker.submit_store if is_store else self.worker.submit_load
+        try:
+            submit(job_id, blocks, slots)
+        except ValueError:
+            if is_store:
+                self.manager.complete_store(keys, success=False)
+            raise
+        self._jobs[job_id] = (is_store, keys)

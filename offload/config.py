@@ -1,0 +1,255 @@
+"""The tier configuration: one TOML file (or the same keys as a dict), parsed once at the edge.
+
+.. code-block:: toml
+
+    [namespace]              # optional: what must match for two engines to share rows
+    model = "meta-llama/Llama-3.1-8B"
+    tenant = "team-a"        # optional salt: tenants never see each other's rows
+
+    [[tiers]]                # in order, fastest first; the first is the host tier
+    kind = "host"
+    capacity = "8GiB"
+    eviction = "lru"         # or "arc", "s3fifo", ..., or "my_pkg.mod:MyPolicy"
+    eviction_params = {}     # keyword arguments of the policy
+
+    [[tiers]]
+    kind = "disk"
+    path = "/var/cache/kvtier"
+    capacity = "200GiB"
+    eviction = "lru"
+    placement = "write-back" # or "write-through"
+    admission = "seen-twice" # or "always"
+    promotion = true         # copy a row found here up into the host tier on a hit
+
+Everything is validated here into frozen dataclasses; the rest of kvtier never reads a
+raw dict. Unknown keys are errors (a typo must not silently fall back to a default), and
+every error is a ``ConfigError`` naming the key path and the value at fault.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from policies import make_policy
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names key and value."""
+
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+TIER_KINDS = ("host", "disk", "remote")
+PLACEMENTS = ("write-back", "write-through")
+ADMISSIONS = ("always", "seen-twice")
+
+
+def parse_size(value: Any, where: str) -> int:
+    """Bytes from an int or a string with a unit (``8GiB``, ``512MB``, ``1.5GiB``)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} = {value!r}: expected a size such as '8GiB' or a number of bytes")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)):
+        number, unit = match.groups()
+        scale = _UNITS.get(unit.upper() or "B")
+        if scale is None:
+            raise ConfigError(
+                f"{where} = {value!r}: unknown unit {unit!r}; use one of B, KB, MB, GB, KiB, MiB, GiB, TiB"
+            )
+        size = int(float(number) * scale)
+    else:
+        raise ConfigError(f"{where} = {value!r}: expected a size such as '8GiB' or a number of bytes")
+    if size <= 0:
+        raise ConfigError(f"{where} = {value!r}: a size must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class NamespaceConfig:
+    model: str = ""
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    kind: str
+    capacity_bytes: int
+    eviction: str = "lru"
+    eviction_params: Mapping[str, Any] = field(default_factory=dict)
+    placement: str = "write-back"
+    admission: str = "always"
+    promotion: bool = True
+    path: str | None = None  # disk
+    peers: tuple[str, ...] = ()  # remote
+    token_file: str | None = None  # remote
+    deadline_s: float = 2.0  # remote
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    tiers: tuple[TierConfig, ...]
+    namespace: NamespaceConfig = NamespaceConfig()
+
+    @property
+    def host(self) -> TierConfig:
+        return self.tiers[0]
+
+    @property
+    def lower_tiers(self) -> tuple[TierConfig, ...]:
+        return self.tiers[1:]
+
+
+_COMMON_KEYS = {"kind", "capacity", "eviction", "eviction_params"}
+_KIND_KEYS = {
+    "host": set(),
+    "disk": {"path", "placement", "admission", "promotion"},
+    "remote": {"peers", "token_file", "deadline_s", "placement", "admission", "promotion"},
+}
+_KIND_DEFAULT_ADMISSION = {"host": "always", "disk": "seen-twice", "remote": "always"}
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
+    """Parse a TOML file path, or a dict with the same keys (vLLM's ``kv_connector_extra_config``)."""
+    if isinstance(source, Mapping):
+        return parse_config(source)
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_config(data)
+
+
+def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
+    _reject_unknown(data, {"tiers", "namespace"}, "")
+    tiers_raw = data.get("tiers")
+    if not isinstance(tiers_raw, list) or not tiers_raw:
+        raise ConfigError(f"tiers = {tiers_raw!r}: expected a non-empty list of tier tables ([[tiers]])")
+    tiers = tuple(_parse_tier(raw, f"tiers[{i}]") for i, raw in enumerate(tiers_raw))
+    if tiers[0].kind != "host":
+        raise ConfigError(f"tiers[0].kind = {tiers[0].kind!r}: the first tier must be the host tier")
+    for i, tier in enumerate(tiers[1:], start=1):
+        if tier.kind == "host":
+            raise ConfigError(f"tiers[{i}].kind = 'host': there is exactly one host tier, the first")
+    kinds = [tier.kind for tier in tiers]
+    for kind in set(kinds):
+        if kinds.count(kind) > 1:
+            raise ConfigError(f"tiers: kind {kind!r} appears {kinds.count(kind)} times; give each kind once")
+    namespace_raw = data.get("namespace", {})
+    if not isinstance(namespace_raw, Mapping):
+        raise ConfigError(f"namespace = {namespace_raw!r}: expected a table")
+    _reject_unknown(namespace_raw, {"model", "tenant"}, "namespace.")
+    namespace = NamespaceConfig(
+        model=_string(namespace_raw, "model", "namespace.", ""),
+        tenant=_string(namespace_raw, "tenant", "namespace.", ""),
+    )
+    return KVTierConfig(tiers, namespace)
+
+
+def _parse_tier(raw: Any, where: str) -> TierConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} = {raw!r}: expected a table")
+    kind = raw.get("kind")
+    if kind not in TIER_KINDS:
+        raise ConfigError(f"{where}.kind = {kind!r}: expected one of {list(TIER_KINDS)}")
+    _reject_unknown(raw, _COMMON_KEYS | _KIND_KEYS[kind], f"{where}.")
+    prefix = f"{where}."
+    if "capacity" not in raw:
+        raise ConfigError(f"{where}.capacity is missing: give a size such as '8GiB'")
+    capacity = parse_size(raw["capacity"], f"{where}.capacity")
+    eviction = _string(raw, "eviction", prefix, "lru")
+    params = raw.get("eviction_params", {})
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where}.eviction_params = {params!r}: expected a table of policy arguments")
+    _check_policy(eviction, dict(params), where)
+    placement = _choice(raw, "placement", prefix, PLACEMENTS, "write-back")
+    admission = _choice(raw, "admission", prefix, ADMISSIONS, _KIND_DEFAULT_ADMISSION[kind])
+    promotion = raw.get("promotion", True)
+    if not isinstance(promotion, bool):
+        raise ConfigError(f"{where}.promotion = {promotion!r}: expected true or false")
+    tier = TierConfig(
+        kind=kind,
+        capacity_bytes=capacity,
+        eviction=eviction,
+        eviction_params=dict(params),
+        placement=placement,
+        admission=admission,
+        promotion=promotion,
+    )
+    if kind == "disk":
+        path = raw.get("path")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.path = {path!r}: the disk tier needs a directory path")
+        tier = replace(tier, path=path)
+    if kind == "remote":
+        peers = raw.get("peers")
+        if not isinstance(peers, list) or not peers or not all(isinstance(p, str) for p in peers):
+            raise ConfigError(f"{where}.peers = {peers!r}: expected a non-empty list of 'host:port' strings")
+        for peer in peers:
+            host, sep, port = peer.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"{where}.peers: {peer!r} is not 'host:port'")
+        deadline = raw.get("deadline_s", 2.0)
+        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 2.0:
+            raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 2]")
+        token_file = raw.get("token_file")
+        if token_file is not None and not isinstance(token_file, str):
+            raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
+        tier = replace(tier, peers=tuple(peers), deadline_s=float(deadline), token_file=token_file)
+    return tier
+
+
+def _check_policy(name: str, params: dict[str, Any], where: str) -> None:
+    """Build the policy once to surface an unknown name or a bad parameter now, not at first store."""
+    try:
+        make_policy(name, 1024, **params)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.eviction = {name!r}: {exc}") from exc
+
+
+def _reject_unknown(raw: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]} = {raw[unknown[0]]!r}: unknown key (allowed: {sorted(allowed)})"
+        )
+
+
+def _string(raw: Mapping[str, Any], key: str, prefix: str, default: str) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str):
+        raise ConfigError(f"{prefix}{key} = {value!r}: expected a string")
+    return value
+
+
+def _choice(raw: Mapping[str, Any], key: str, prefix: str, choices: tuple[str, ...], default: str) -> str:
+    value = raw.get(key, default)
+    if value not in choices:
+        raise ConfigError(f"{prefix}{key} = {value!r}: expected one of {list(choices)}")
+    return value
+
+
+def default_config(host_capacity: str | int = "1GiB") -> KVTierConfig:
+    """A host tier only, LRU: what ``Offloader`` uses without a config."""
+    return parse_config({"tiers": [{"kind": "host", "capacity": host_capacity}]})

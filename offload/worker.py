@@ -1,0 +1,162 @@
+"""The offloading worker: device <-> host copies of canonical rows, asynchronously.
+
+One worker lives beside each device (in vLLM, in each GPU worker process). It is told
+*which* device blocks and *which* host slots, never bytes, and it never decides anything:
+the manager has already chosen slots and pinned what it loads.
+
+Call contract (one caller thread, e.g. the engine's model runner):
+
+- ``submit_store`` / ``submit_load`` validate, queue and return at once (``True``); bad
+  input (lengths that differ, a slot or block out of range) raises ``ValueError`` before
+  anything is queued, so a rejected job touches no memory.
+- ``get_finished`` returns each finished job once, in finishing order, never blocking.
+- ``wait`` blocks until the named jobs have finished; they are still reported by the next
+  ``get_finished``.
+
+A copy that raises is a ``TransferResult`` with ``success=False`` (the manager then
+treats the rows as never stored / the load as failed), never an exception on the
+caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from offload.layout import CanonicalKVCaches
+from offload.row_copy import RowCopier
+from offload.streams import Completion, CopyStream, make_copy_stream
+from tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+
+PerGroup = Sequence[Sequence[int]]
+"""One list per KV group (empty for a group the job does not touch)."""
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    success: bool
+    transfer_size: int  # bytes moved
+    transfer_time: float  # seconds the copy took
+    is_store: bool
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_store: bool
+    size: int
+    completion: Completion
+
+
+class OffloadingWorker:
+    """Moves blocks of every KV group between the device caches and the host tier."""
+
+    def __init__(
+        self,
+        caches: CanonicalKVCaches,
+        host: HostTier,
+        *,
+        blocks_per_row: int = 1,
+        stream: CopyStream | None = None,
+    ) -> None:
+        if host.num_groups != caches.num_groups:
+            raise ValueError(f"host tier has {host.num_groups} groups, the KV caches {caches.num_groups}")
+        self.caches = caches
+        self.host = host
+        self.blocks_per_row = blocks_per_row
+        self.copiers = [
+            RowCopier(caches, group, host.slabs[group], blocks_per_row) for group in range(caches.num_groups)
+        ]
+        self._stream = stream or make_copy_stream(caches.device)
+        self._jobs: dict[int, _Job] = {}
+
+    def submit_store(self, job_id: int, block_ids: PerGroup, slots: PerGroup) -> bool:
+        """Copy device blocks into host slots (``blocks_per_row`` blocks per slot)."""
+        plan = self._plan(job_id, block_ids, slots, is_store=True)
+        return self._submit(job_id, plan, is_store=True)
+
+    def submit_load(self, job_id: int, block_ids: PerGroup, slots: PerGroup) -> bool:
+        """Copy host slots into device blocks."""
+        plan = self._plan(job_id, block_ids, slots, is_store=False)
+        return self._submit(job_id, plan, is_store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        results = []
+        for job_id, job in list(self._jobs.items()):
+            if job.completion.done():
+                del self._jobs[job_id]
+                results.append(self._result(job))
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.completion.wait()
+
+    def shutdown(self) -> None:
+        self.wait(list(self._jobs))
+        self._stream.close()
+
+    def _plan(
+        self, job_id: int, block_ids: PerGroup, slots: PerGroup, *, is_store: bool
+    ) -> list[tuple[RowCopier, list[int], list[int]]]:
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} is already in flight")
+        groups = len(self.copiers)
+        if len(block_ids) != groups or len(slots) != groups:
+            raise ValueError(
+                f"job {job_id}: expected block ids and slots for {groups} groups, "
+                f"got {len(block_ids)} and {len(slots)}"
+            )
+        plan = []
+        for group, (copier, blocks, group_slots) in enumerate(
+            zip(self.copiers, block_ids, slots, strict=True)
+        ):
+            blocks = [int(b) for b in blocks]
+            group_slots = [int(s) for s in group_slots]
+            if len(blocks) != len(group_slots) * self.blocks_per_row:
+                raise ValueError(
+                    f"job {job_id}, group {group}: {len(blocks)} device blocks for {len(group_slots)} slots "
+                    f"of {self.blocks_per_row} block(s) each"
+                )
+            _check_range(job_id, group, "device block", blocks, self.caches.num_blocks)
+            _check_range(job_id, group, "host slot", group_slots, self.host.num_slots)
+            if not is_store and len(set(blocks)) != len(blocks):
+                raise ValueError(f"job {job_id}, group {group}: a load writes a device block twice")
+            if is_store and len(set(group_slots)) != len(group_slots):
+                raise ValueError(f"job {job_id}, group {group}: a store writes a host slot twice")
+            if blocks:
+                plan.append((copier, blocks, copier.sub_rows(group_slots)))
+        return plan
+
+    def _submit(
+        self, job_id: int, plan: list[tuple[RowCopier, list[int], list[int]]], *, is_store: bool
+    ) -> bool:
+        parallelism = self._stream.parallelism
+        tasks = [
+            task
+            for copier, blocks, rows in plan
+            for task in copier.tasks(blocks, rows, store=is_store, parallelism=parallelism)
+        ]
+        size = sum(len(blocks) * copier.block_bytes for copier, blocks, _ in plan)
+        self._jobs[job_id] = _Job(job_id, is_store, size, self._stream.submit(tasks))
+        return True
+
+    @staticmethod
+    def _result(job: _Job) -> TransferResult:
+        error = job.completion.error()
+        if error is not None:
+            log.error("%s job %d failed: %r", "store" if job.is_store else "load", job.job_id, error)
+            return TransferResult(job.job_id, False, 0, 0.0, job.is_store)
+        return TransferResult(job.job_id, True, job.size, job.completion.seconds(), job.is_store)
+
+
+def _check_range(job_id: int, group: int, what: str, values: list[int], limit: int) -> None:
+    bad = [v for v in values if not 0 <= v < limit]
+    if bad:
+        raise ValueError(f"job {job_id}, group {group}: {what}s {bad[:8]} outside 0..{limit - 1}")

@@ -1,0 +1,101 @@
+"""The eviction-policy contract shared by every tier.
+
+A policy is pure bookkeeping over opaque, hashable keys (in kvtier: ``bytes``). It never
+stores values, never does I/O and never imports ``offload/``: the tier that owns the rows
+tells the policy what happened (``on_insert``, ``on_access``, ``on_remove``) and asks it
+whom to evict (``evict``). Keeping storage out of the policy is what lets the same policy
+run the host pool, the LMDB index, a remote peer's pool and the trace simulator.
+
+Call contract (one thread; the owner serialises calls):
+
+- ``on_insert(key, parent)`` once when ``key`` becomes resident. ``parent`` is the key of
+  the previous block in the same prefix chain when the caller knows it (prefix-aware and
+  cost-aware policies use it; others ignore it).
+- ``on_insert_run(keys, parent)`` instead, when one store makes several consecutive blocks
+  of a chain resident (``keys`` head first, ``keys[0]``'s predecessor is ``parent``). The
+  default inserts them tail first, so a policy that orders by insertion evicts the deep end
+  of a chain before its head (vLLM's LRU does the same with per-request ranks); a policy
+  that needs depth (cost-aware) sees the whole run at once.
+- ``on_access(key)`` on every hit of a resident key. The hits of one request are reported
+  tail first, for the same reason as ``on_insert_run``.
+- ``on_remove(key)`` when the owner drops a resident key for a reason of its own (the
+  row turned out corrupt, an explicit delete). Not called for keys returned by ``evict``.
+- ``evict(n, evictable)`` picks ``n`` resident keys for which ``evictable(key)`` is true
+  and forgets them. It is all-or-nothing: when fewer than ``n`` keys can be evicted it
+  returns ``None`` and changes nothing, so the caller never half-frees a request.
+
+Ghost entries (keys remembered after eviction, as ARC and S3-FIFO keep) are the policy's
+own business and must stay bounded by a constant times ``capacity``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterator, Sequence
+
+Key = Hashable
+"""An opaque key. kvtier passes ``bytes`` (an ``OffloadKey``); the simulator passes ints."""
+
+Evictable = Callable[[Key], bool]
+"""Whether the owner allows a key to be evicted now (not pinned, not in flight)."""
+
+
+def always_evictable(_key: Key) -> bool:
+    """The predicate for owners that never pin (the trace simulator, a disk index)."""
+    return True
+
+
+class EvictionPolicy(ABC):
+    """Orders the resident keys of one tier for eviction.
+
+    ``capacity`` is the tier's size in rows; policies that size their segments or ghost
+    lists from it (ARC, S3-FIFO, W-TinyLFU) read it, LRU does not need it.
+    """
+
+    name: str = ""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"policy capacity must be a positive number of rows, got {capacity!r}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def on_insert(self, key: Key, parent: Key | None = None) -> None:
+        """Record that ``key`` is now resident (it must not be resident already)."""
+
+    def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
+        """Record that ``keys``, consecutive blocks of one chain (head first), became resident.
+
+        ``keys[0]``'s predecessor is ``parent``; each later key's is the key before it. They
+        are inserted tail first so that insertion order puts a chain's deep end nearest to
+        eviction: its head is what every later request of the chain needs first.
+        """
+        for i in range(len(keys) - 1, -1, -1):
+            self.on_insert(keys[i], keys[i - 1] if i else parent)
+
+    @abstractmethod
+    def on_access(self, key: Key) -> None:
+        """Record a hit on a resident ``key``."""
+
+    @abstractmethod
+    def on_remove(self, key: Key) -> None:
+        """Forget a resident ``key`` that the owner dropped outside of ``evict``."""
+
+    @abstractmethod
+    def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
+        """Choose and forget ``n`` evictable keys, or return ``None`` and change nothing."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Key]:
+        """Resident keys, from the next to be evicted to the last (where the policy has an order)."""
+
+    def clear(self) -> None:
+        """Forget every key, ghosts included."""
+        for key in list(self):
+            self.on_remove(key)

@@ -1,0 +1,61 @@
+"""Least recently used: the baseline every other policy is measured against."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evicts the key whose last insert or hit is oldest.
+
+    An ``OrderedDict`` keeps recency (oldest first); ``move_to_end`` and deletion are O(1).
+    Eviction walks from the oldest key and skips keys the owner will not give up (pinned or
+    in flight), which are usually few and recent.
+    """
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def on_insert(self, key: Key, parent: Key | None = None) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_access(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
+        if n <= 0:
+            return []
+        chosen: list[Key] = []
+        for key in self._order:
+            if evictable(key):
+                chosen.append(key)
+                if len(chosen) == n:
+                    break
+        if len(chosen) < n:
+            return None
+        for key in chosen:
+            del self._order[key]
+        return chosen
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._order)
+
+    def clear(self) -> None:
+        self._order.clear()

@@ -1,0 +1,146 @@
+import pytest
+import torch
+
+from offload.api import Offloader
+from offload.config import ConfigError
+from offload.keys import make_key
+from tests.offload.layouts import LAYOUTS, NUM_BLOCKS, packed_views, per_layer_blocks_first, scramble
+
+
+def keys_for(prefix: str, n: int, group: int = 0) -> list[bytes]:
+    return [make_key(f"{prefix}{i}".encode().ljust(16, b"."), group) for i in range(n)]
+
+
+def config(rows: int, row_bytes: int) -> dict:
+    return {"tiers": [{"kind": "host", "capacity": rows * row_bytes}]}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_store_lookup_load_round_trip(name):
+    kv, groups = LAYOUTS[name]()
+    probe = Offloader(kv, groups)
+    rows = sum(probe.caches.row_bytes(g) for g in range(probe.caches.num_groups))
+    probe.close()
+    with Offloader(kv, groups, config(6, rows)) as offloader:
+        caches = offloader.caches
+        keys, blocks = [], []
+        for g in range(caches.num_groups):
+            keys += keys_for("p", 3, g)
+            blocks += [(g * 3 + i) % NUM_BLOCKS for i in range(3)]
+        before = [caches.read_row(int.from_bytes(key[-4:]), b) for key, b in zip(keys, blocks, strict=True)]
+        job = offloader.store(keys, blocks)
+        assert offloader.lookup(keys) == 0  # in flight: not yet loadable
+        assert [r.job_id for r in offloader.wait([job])] == [job]
+        assert offloader.lookup(keys) == len(keys)
+        scramble(kv)
+        load = offloader.load(keys, blocks)
+        (result,) = offloader.wait([load])
+        assert result.success
+        after = [caches.read_row(int.from_bytes(key[-4:]), b) for key, b in zip(keys, blocks, strict=True)]
+        assert after == before
+
+
+def test_lookup_is_the_longest_hitting_prefix():
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as offloader:
+        keys = keys_for("a", 4)
+        offloader.store(keys[:2], [0, 1])
+        offloader.wait()
+        assert offloader.lookup(keys) == 2
+        assert offloader.lookup(keys[2:]) == 0
+        assert offloader.lookup([]) == 0
+
+
+def test_store_returns_none_when_every_row_is_pinned():
+    kv, groups = packed_views()
+    row = Offloader(kv, groups).caches.row_bytes(0)
+    with Offloader(kv, groups, config(2, row)) as offloader:
+        first = keys_for("a", 2)
+        offloader.store(first, [0, 1])
+        offloader.wait()
+        offloader.load(first, [2, 3])  # pins both rows until polled
+        assert offloader.store(keys_for("b", 1), [4]) is None
+        offloader.wait()
+        assert offloader.store(keys_for("b", 1), [4]) is not None
+
+
+def test_eviction_makes_room_and_loses_only_the_victim():
+    kv, groups = per_layer_blocks_first()
+    row = Offloader(kv, groups).caches.row_bytes(0)
+    with Offloader(kv, groups, config(3, row)) as offloader:
+        keys = keys_for("k", 4)
+        originals = [offloader.caches.read_row(0, b) for b in range(4)]
+        for i in range(4):
+            offloader.store([keys[i]], [i])
+            offloader.wait()
+        assert [offloader.lookup([key]) for key in keys] == [0, 1, 1, 1]
+        scramble(kv)
+        offloader.load(keys[1:], [5, 6, 7])
+        offloader.wait()
+        assert [offloader.caches.read_row(0, b) for b in (5, 6, 7)] == originals[1:]
+
+
+def test_blocks_per_key():
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups, blocks_per_key=2) as offloader:
+        keys = keys_for("c", 2)
+        before = [offloader.caches.read_row(0, b) for b in (4, 5, 8, 9)]
+        offloader.store(keys, [4, 5, 8, 9])
+        offloader.wait()
+        scramble(kv)
+        offloader.load(keys, [4, 5, 8, 9])
+        offloader.wait()
+        assert [offloader.caches.read_row(0, b) for b in (4, 5, 8, 9)] == before
+        with pytest.raises(ValueError, match="2 keys need 4 block ids, got 2"):
+            offloader.store(keys, [1, 2])
+
+
+def test_bad_inputs_are_clear_errors_and_change_nothing():
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as offloader:
+        with pytest.raises(ValueError, match="names group 1 of 1"):
+            offloader.store(keys_for("x", 1, group=1), [0])
+        with pytest.raises(ValueError, match=r"device blocks .* outside"):
+            offloader.store(keys_for("x", 1), [NUM_BLOCKS + 1])
+        assert offloader.lookup(keys_for("x", 1)) == 0  # the failed store left nothing behind
+        with pytest.raises(ValueError, match="not a readable host row"):
+            offloader.load(keys_for("never", 1), [0])
+
+
+def test_unavailable_tier_kind_is_a_config_error(tmp_path):
+    kv, groups = per_layer_blocks_first()
+    cfg = {
+        "tiers": [
+            {"kind": "host", "capacity": "1MiB"},
+            {"kind": "disk", "capacity": "1GiB", "path": str(tmp_path)},
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.kind = 'disk'"):
+        Offloader(kv, groups, cfg)
+
+
+def test_host_tier_too_small_for_one_row():
+    kv, groups = per_layer_blocks_first()
+    with pytest.raises(ValueError, match="holds no row"):
+        Offloader(kv, groups, {"tiers": [{"kind": "host", "capacity": 16}]})
+
+
+def test_config_from_toml_file(tmp_path):
+    kv, groups = per_layer_blocks_first()
+    path = tmp_path / "tiers.toml"
+    path.write_text('[[tiers]]\nkind = "host"\ncapacity = "1MiB"\neviction = "lru"\n')
+    with Offloader(kv, groups, path) as offloader:
+        assert offloader.host.capacity_bytes <= 2**20
+        assert offloader.stats()["lookups"] == 0
+
+
+def test_works_on_tensors_that_are_not_bfloat16():
+    kv = {"l0": torch.randn(NUM_BLOCKS, 2, 4, 2, 8), "l1": torch.randn(NUM_BLOCKS, 2, 4, 2, 8)}
+    with Offloader(kv, [["l0", "l1"]]) as offloader:
+        before = offloader.caches.read_row(0, 3)
+        offloader.store(keys_for("f", 1), [3])
+        offloader.wait()
+        scramble(kv)
+        offloader.load(keys_for("f", 1), [3])
+        offloader.wait()
+        assert offloader.caches.read_row(0, 3) == before

@@ -1,0 +1,152 @@
+import pytest
+
+from offload.config import ConfigError, load_config, parse_config, parse_size
+
+GOOD = """
+[namespace]
+model = "meta-llama/Llama-3.1-8B"
+tenant = "team-a"
+
+[[tiers]]
+kind = "host"
+capacity = "8GiB"
+eviction = "lru"
+
+[[tiers]]
+kind = "disk"
+path = "/var/cache/kvtier"
+capacity = "200GB"
+placement = "write-through"
+
+[[tiers]]
+kind = "remote"
+peers = ["127.0.0.1:7070", "127.0.0.1:7071"]
+capacity = "64GiB"
+deadline_s = 1.5
+"""
+
+
+def test_full_file_parses(tmp_path):
+    path = tmp_path / "tiers.toml"
+    path.write_text(GOOD)
+    config = load_config(path)
+    assert [t.kind for t in config.tiers] == ["host", "disk", "remote"]
+    assert config.host.capacity_bytes == 8 * 2**30
+    disk = config.tiers[1]
+    assert (disk.capacity_bytes, disk.placement, disk.admission, disk.path) == (
+        200 * 10**9,
+        "write-through",
+        "seen-twice",
+        "/var/cache/kvtier",
+    )
+    remote = config.tiers[2]
+    assert remote.peers == ("127.0.0.1:7070", "127.0.0.1:7071")
+    assert remote.deadline_s == 1.5
+    assert config.namespace.tenant == "team-a"
+
+
+def test_dict_form_is_the_same_as_the_file():
+    config = load_config({"tiers": [{"kind": "host", "capacity": 1024}]})
+    assert config.host.capacity_bytes == 1024
+    assert config.host.eviction == "lru"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, 4096),
+        ("8GiB", 8 * 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("2kb", 2000),
+        ("10", 10),
+    ],
+)
+def test_sizes(value, expected):
+    assert parse_size(value, "x") == expected
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        ([{"kind": "host", "capacity": "8XB"}], r"tiers\[0\]\.capacity = '8XB': unknown unit 'XB'"),
+        ([{"kind": "host", "capacity": "-1GiB"}], r"tiers\[0\]\.capacity = '-1GiB'"),
+        ([{"kind": "host", "capacity": 0}], r"tiers\[0\]\.capacity = 0: a size must be positive"),
+        ([{"kind": "host", "capacity": True}], r"tiers\[0\]\.capacity = True"),
+        ([{"kind": "host"}], r"tiers\[0\]\.capacity is missing"),
+        ([{"kind": "host", "capacity": "1GiB", "capcity": 3}], r"tiers\[0\]\.capcity = 3: unknown key"),
+        ([{"kind": "ssd", "capacity": "1GiB"}], r"tiers\[0\]\.kind = 'ssd': expected one of"),
+        (
+            [{"kind": "host", "capacity": "1GiB", "eviction": "fifo9"}],
+            r"tiers\[0\]\.eviction = 'fifo9': unknown",
+        ),
+        (
+            [{"kind": "host", "capacity": "1GiB", "eviction_params": {"nope": 1}}],
+            r"tiers\[0\]\.eviction = 'lru': .*bad parameters",
+        ),
+        (
+            [{"kind": "disk", "capacity": "1GiB", "path": "/x"}],
+            r"tiers\[0\]\.kind = 'disk': the first tier must be",
+        ),
+        (
+            [{"kind": "host", "capacity": "1GiB"}, {"kind": "host", "capacity": "1GiB"}],
+            r"tiers\[1\]\.kind = 'host': there is exactly one host tier",
+        ),
+        (
+            [{"kind": "host", "capacity": "1GiB"}, {"kind": "disk", "capacity": "1GiB"}],
+            r"tiers\[1\]\.path = None: the disk tier needs a directory path",
+        ),
+        (
+            [
+                {"kind": "host", "capacity": "1GiB"},
+                {"kind": "disk", "capacity": "1GiB", "path": "/x", "placement": "x"},
+            ],
+            r"tiers\[1\]\.placement = 'x': expected one of",
+        ),
+        (
+            [
+                {"kind": "host", "capacity": "1GiB"},
+                {"kind": "remote", "capacity": "1GiB", "peers": ["nohost"]},
+            ],
+            r"tiers\[1\]\.peers: 'nohost' is not 'host:port'",
+        ),
+        (
+            [
+                {"kind": "host", "capacity": "1GiB"},
+                {"kind": "remote", "capacity": "1", "peers": ["a:1"], "deadline_s": 9},
+            ],
+            r"tiers\[1\]\.deadline_s = 9",
+        ),
+        (
+            [{"kind": "host", "capacity": "1GiB", "placement": "write-back"}],
+            r"tiers\[0\]\.placement .*unknown key",
+        ),
+        ([], r"tiers = \[\]: expected a non-empty list"),
+    ],
+)
+def test_errors_name_the_key_and_value(tiers, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"tiers": tiers})
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match=r"teirs = .*unknown key"):
+        parse_config({"teirs": []})
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[tiers]\nkind = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_user_policy_by_module_path():
+    config = parse_config(
+        {"tiers": [{"kind": "host", "capacity": "1GiB", "eviction": "policies.lru:LRUPolicy"}]}
+    )
+    assert config.host.eviction == "policies.lru:LRUPolicy"
+    with pytest.raises(ConfigError, match="cannot import"):
+        parse_config({"tiers": [{"kind": "host", "capacity": "1GiB", "eviction": "no_such_mod:Policy"}]})

@@ -1,0 +1,198 @@
+"""The manager's contract, the same as vLLM's OffloadingManager's."""
+
+import pytest
+
+from offload.keys import make_key
+from offload.manager import LookupResult, OffloadingManager
+from policies.lru import LRUPolicy
+
+MISS, HIT, PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+
+
+def k(i: int, group: int = 0) -> bytes:
+    return make_key(i.to_bytes(8, "big"), group)
+
+
+def manager(slots: int = 4, groups: int = 1) -> OffloadingManager:
+    return OffloadingManager(groups, slots, LRUPolicy)
+
+
+def stored(m: OffloadingManager, *ids: int, group: int = 0) -> None:
+    keys = [k(i, group) for i in ids]
+    out = m.prepare_store(keys)
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+
+
+def test_store_lifecycle_miss_pending_hit():
+    m = manager()
+    assert m.lookup(k(1)) is MISS
+    out = m.prepare_store([k(1), k(2)])
+    assert out.keys_to_store == [k(1), k(2)]
+    assert len(set(out.store_spec.slots)) == 2
+    assert out.evicted_keys == []
+    assert m.lookup(k(1)) is PENDING
+    m.complete_store([k(1), k(2)])
+    assert m.lookup(k(1)) is HIT
+
+
+def test_prepare_store_drops_keys_already_stored_or_in_flight():
+    m = manager()
+    stored(m, 1)
+    m.prepare_store([k(2)])
+    out = m.prepare_store([k(1), k(2), k(3), k(3)])
+    assert out.keys_to_store == [k(3)]
+
+
+def test_failed_store_frees_the_slot_and_stays_a_miss():
+    m = manager(slots=1)
+    out = m.prepare_store([k(1)])
+    m.complete_store(out.keys_to_store, success=False)
+    assert m.lookup(k(1)) is MISS
+    assert m.take_events() == []
+    assert m.prepare_store([k(2)]).store_spec.slots == out.store_spec.slots
+
+
+def test_eviction_is_lru_and_reported():
+    m = manager(slots=3)
+    for i in (1, 2, 3):
+        stored(m, i)
+    m.touch([k(1)])
+    out = m.prepare_store([k(4)])
+    assert out.evicted_keys == [k(2)]
+    assert m.lookup(k(2)) is MISS
+    assert m.lookup(k(1)) is HIT
+
+
+def test_a_chain_stored_in_one_call_is_evicted_from_its_tail():
+    m = manager(slots=3)
+    stored(m, 1, 2, 3)
+    assert m.prepare_store([k(4)]).evicted_keys == [k(3)]
+
+
+def test_touch_makes_the_head_of_a_prefix_most_recent():
+    m = manager(slots=3)
+    stored(m, 1, 2, 3)
+    m.touch([k(1), k(2), k(3)])
+    assert m.prepare_store([k(4)]).evicted_keys == [k(3)]
+
+
+def test_never_evicts_pinned_in_flight_or_same_call_keys():
+    m = manager(slots=4)
+    stored(m, 1, 2)
+    m.prepare_store([k(3)])  # in flight
+    m.prepare_load([k(1)])  # pinned
+    stored_4 = m.prepare_store([k(4)])
+    m.complete_store(stored_4.keys_to_store)
+    out = m.prepare_store([k(2), k(5)])  # k2 is in the call: protected
+    assert out is not None
+    assert out.evicted_keys == [k(4)]
+    assert m.lookup(k(1)) is HIT and m.lookup(k(2)) is HIT and m.lookup(k(3)) is PENDING
+
+
+def test_returns_none_and_changes_nothing_when_nothing_can_be_freed():
+    m = manager(slots=2)
+    stored(m, 1, 2)
+    m.prepare_load([k(1), k(2)])
+    before = (m.lookup(k(1)), m.lookup(k(2)), m.num_free_slots(0))
+    assert m.prepare_store([k(3)]) is None
+    assert (m.lookup(k(1)), m.lookup(k(2)), m.num_free_slots(0)) == before
+    assert m.lookup(k(3)) is MISS
+    assert m.stats.rejected_stores == 1
+
+
+def test_pins_are_counted_so_shared_prefixes_load_together():
+    m = manager(slots=2)
+    stored(m, 1, 2)
+    first = m.prepare_load([k(1)])
+    second = m.prepare_load([k(1)])
+    assert first.slots == second.slots
+    m.complete_load([k(1)])
+    assert m.prepare_store([k(3)]).evicted_keys == [k(2)]  # k1 still pinned by the second
+    m.complete_load([k(1)])
+    assert m.prepare_store([k(4)]).evicted_keys == [k(1)]
+
+
+def test_prepare_load_keeps_order_and_refuses_non_hits_without_pinning():
+    m = manager(slots=4)
+    for i in (1, 2, 3):
+        stored(m, i)
+    spec = m.prepare_load([k(3), k(1), k(2)])
+    assert spec.keys == [k(3), k(1), k(2)]
+    assert len(set(spec.slots)) == 3
+    m.complete_load(spec.keys)
+    m.prepare_store([k(9)])
+    with pytest.raises(ValueError, match="not a readable host row"):
+        m.prepare_load([k(1), k(9)])
+    assert m.prepare_store([k(4), k(5)]).evicted_keys == [k(1), k(2)]  # k1 was not left pinned
+
+
+def test_groups_have_their_own_slots():
+    m = manager(slots=1, groups=2)
+    stored(m, 1, group=0)
+    out = m.prepare_store([k(1, 1)])
+    assert out.evicted_keys == []
+    m.complete_store(out.keys_to_store)
+    assert m.prepare_store([k(2, 0)]).evicted_keys == [k(1, 0)]
+    assert m.lookup(k(1, 1)) is HIT
+
+
+def test_a_group_that_cannot_make_room_rejects_the_whole_call():
+    m = manager(slots=1, groups=2)
+    stored(m, 1, group=0)
+    stored(m, 1, group=1)
+    m.prepare_load([k(1, 1)])
+    assert m.prepare_store([k(2, 0), k(2, 1)]) is None
+    assert m.lookup(k(1, 0)) is HIT  # group 0's victim was given back
+
+
+def test_unknown_group_is_an_error():
+    with pytest.raises(ValueError, match="names group 3"):
+        manager(groups=2).prepare_store([k(1, 3)])
+
+
+def test_events_removals_first_each_once():
+    m = manager(slots=2)
+    stored(m, 1)
+    stored(m, 2)
+    events = m.take_events()
+    assert [(e.removed, e.keys) for e in events] == [(False, [k(1), k(2)])]
+    out = m.prepare_store([k(3)])
+    m.complete_store(out.keys_to_store)
+    events = m.take_events()
+    assert [(e.removed, e.keys) for e in events] == [(True, [k(1)]), (False, [k(3)])]
+    assert m.take_events() == []
+
+
+def test_stored_then_removed_between_drains_is_not_reported():
+    m = manager(slots=1)
+    stored(m, 1)
+    stored(m, 2)  # evicts k1 before anyone saw it stored
+    assert [(e.removed, e.keys) for e in m.take_events()] == [(False, [k(2)])]
+
+
+def test_reset_refused_while_pinned_then_clears():
+    m = manager(slots=2)
+    stored(m, 1, 2)
+    m.take_events()
+    m.prepare_load([k(1)])
+    assert m.reset() is False
+    assert m.lookup(k(1)) is HIT
+    m.complete_load([k(1)])
+    assert m.reset() is True
+    assert m.lookup(k(1)) is MISS and m.lookup(k(2)) is MISS
+    assert [(e.removed, sorted(e.keys)) for e in m.take_events()] == [(True, [k(1), k(2)])]
+    assert m.num_free_slots(0) == 2
+
+
+def test_reset_refused_while_a_store_is_in_flight():
+    m = manager()
+    m.prepare_store([k(1)])
+    assert m.reset() is False
+
+
+def test_completing_unknown_keys_is_harmless():
+    m = manager()
+    m.complete_store([k(5)])
+    m.complete_load([k(5)])
+    assert m.lookup(k(5)) is MISS

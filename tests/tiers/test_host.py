@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from tiers.host import HostTier, SlotAllocator
+
+
+def test_allocator_lowest_first_all_or_nothing():
+    allocator = SlotAllocator(5)
+    assert allocator.allocate(3) == [0, 1, 2]
+    allocator.free([1])
+    assert allocator.allocate(2) == [1, 3]
+    assert allocator.allocate(2) is None
+    assert allocator.num_free == 1
+    assert allocator.allocate(1) == [4]
+
+
+def test_allocator_rejects_double_and_foreign_frees():
+    allocator = SlotAllocator(2)
+    allocator.allocate(1)
+    allocator.free([0])
+    with pytest.raises(ValueError, match="slot 0 is freed twice"):
+        allocator.free([0])
+    with pytest.raises(ValueError, match="outside"):
+        allocator.free([7])
+
+
+def test_capacity_splits_equal_slots_per_group():
+    host = HostTier([100, 300], 4000 + 399)
+    assert host.num_slots == 10
+    assert [tuple(slab.shape) for slab in host.slabs] == [(10, 100), (10, 300)]
+    assert host.capacity_bytes == 4000
+    assert host.pinned is torch.cuda.is_available()
+
+
+def test_slabs_do_not_overlap():
+    host = HostTier([8, 16], 10 * 24)
+    host.slabs[0].fill_(1)
+    host.slabs[1].fill_(2)
+    assert int(host.slabs[0].sum()) == 80
+    assert int(host.slabs[1].sum()) == 2 * 160
+
+
+def test_too_small_or_bad_rows():
+    with pytest.raises(ValueError, match="holds no row"):
+        HostTier([100], 99)
+    with pytest.raises(ValueError, match="row_bytes must be positive"):
+        HostTier([0], 1000)
+
+
+def test_shared_memory_file_is_seen_by_another_mapping(tmp_path):
+    path = str(tmp_path / "kvtier_host.mmap")
+    host = HostTier([64], 64 * 4, shm_path=path)
+    host.row(0, 2).copy_(torch.arange(64, dtype=torch.uint8))
+    other = torch.from_file(path, shared=True, size=64 * 4, dtype=torch.uint8)
+    assert other[128:192].tolist() == list(range(64))
+    host.close()

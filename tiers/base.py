@@ -1,0 +1,69 @@
+"""The contract of a tier below the host tier (disk, remote peers, Mooncake Store).
+
+A lower tier stores and fetches **rows of bytes by key**. It knows nothing of layers,
+heads or engines: a row is the bytes of one host slot, a key is an ``OffloadKey``
+(``bytes``). What it must guarantee is that a row it hands back is exactly a row that was
+put under that key, in this namespace and layout, or a miss: never garbage, never another
+tenant's row.
+
+Threading: every coroutine runs on the tier engine's event loop (uvloop, in a background
+thread of its own). Blocking work (an LMDB transaction, a NIXL transfer over CMA) goes to
+an executor thread owned by the tier, so the loop never stalls. ``may_contain`` and
+``stats`` are the only methods called from other threads (the scheduler's), and must
+only read state that is safe to read there (a dict membership test is).
+
+Call contract:
+
+- ``open(host_buffer)`` once, before anything else. ``host_buffer`` is the whole host
+  tier (a tier that moves bytes by address, like NIXL, registers it once); the rows given
+  to ``put``/``get`` are slices of it. An unusable configuration (a path that cannot be
+  written, a database locked by another process) raises ``TierError`` here.
+- ``put(rows)`` stores ``(key, row)`` pairs; the result says per key whether the row is
+  now stored (a full tier, a dead peer: ``False``, counted, never raised).
+- ``get(rows)`` reads into the given buffers; per key ``True`` means the buffer now holds
+  the verified row, ``False`` is a miss and the buffer's bytes are undefined (the caller
+  never hands them to the engine).
+- ``contains(keys)`` is the authoritative, possibly remote, check; ``may_contain(key)`` is
+  a cheap local guess (exact for disk, "what this client put" for remote).
+- Every call finishes within the tier's deadline; ``close()`` releases everything.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+Row = tuple[bytes, memoryview]
+"""A key and the host-tier bytes of its row (read by ``put``, written by ``get``)."""
+
+
+class TierError(RuntimeError):
+    """A tier that cannot start (bad path, locked database, unreachable configuration)."""
+
+
+class LowerTier(ABC):
+    kind: str = ""
+
+    @abstractmethod
+    async def open(self, host_buffer: memoryview | None = None) -> None: ...
+
+    @abstractmethod
+    def may_contain(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    async def put(self, rows: Sequence[Row]) -> list[bool]: ...
+
+    @abstractmethod
+    async def get(self, rows: Sequence[Row]) -> list[bool]: ...
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[bytes]) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]: ...

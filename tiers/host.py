@@ -1,0 +1,148 @@
+"""The host tier: one slab of fixed-size rows per KV group, in (pinned) CPU memory.
+
+The host tier is the only tier that exchanges bytes with the device, and the one every
+lower tier reads from and writes into, so its memory is laid out for both: one contiguous
+buffer (one NIXL registration, one ``cudaHostRegister``), cut into a slab per group, each
+slab ``(num_slots, row_bytes)``. It knows rows and slots, nothing of layers or engines.
+
+Memory is pinned only where CUDA exists (pinning is what makes device copies asynchronous;
+on a CPU-only machine it would only cost). With ``shm_path`` the buffer is a shared file
+mapping (under ``/dev/shm``), so a scheduler process and worker processes see the same rows.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class SlotAllocator:
+    """Hands out slot indices, lowest first.
+
+    Lowest-first keeps the rows of one store call adjacent whenever the free space allows,
+    and adjacent rows are what let a copy move many blocks in one strided operation (and a
+    NIXL transfer merge descriptors). ``allocate`` is all-or-nothing.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))  # already a heap
+        self._is_free = bytearray(b"\x01") * num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` free slots (ascending where possible), or ``None`` when fewer are free."""
+        if n > len(self._free):
+            return None
+        slots = [heapq.heappop(self._free) for _ in range(n)]
+        for slot in slots:
+            self._is_free[slot] = 0
+        return slots
+
+    def free(self, slots: Iterable[int]) -> None:
+        """Return slots; freeing a slot twice is a bug in the caller and raises."""
+        for slot in slots:
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+            if self._is_free[slot]:
+                raise ValueError(f"slot {slot} is freed twice")
+            self._is_free[slot] = 1
+            heapq.heappush(self._free, slot)
+
+    def reset(self) -> None:
+        self.__init__(self.num_slots)  # type: ignore[misc]
+
+
+def cuda_available() -> bool:
+    """Whether pinned memory means anything here."""
+    return torch.cuda.is_available()
+
+
+class HostTier:
+    """Per-group slabs of rows in one buffer.
+
+    Which slot holds what is the manager's bookkeeping (a ``SlotAllocator`` per group, kept
+    in the scheduler process); this object is the memory, which may live in other processes.
+
+    Capacity is given in bytes and split so that every group has the same number of slots
+    (a prefix stored for a request has one key per group per chunk, so groups fill at the
+    same pace). ``pin=None`` pins exactly when CUDA is available.
+    """
+
+    def __init__(
+        self,
+        row_bytes: Sequence[int],
+        capacity_bytes: int,
+        *,
+        pin: bool | None = None,
+        shm_path: str | None = None,
+    ) -> None:
+        if not row_bytes or any(size <= 0 for size in row_bytes):
+            raise ValueError(f"row_bytes must be positive per group, got {list(row_bytes)}")
+        bytes_per_slot = sum(row_bytes)
+        num_slots = capacity_bytes // bytes_per_slot
+        if num_slots < 1:
+            raise ValueError(
+                f"host tier capacity {capacity_bytes} B holds no row: one slot across all groups "
+                f"needs {bytes_per_slot} B"
+            )
+        self.row_bytes = list(row_bytes)
+        self.num_slots = num_slots
+        self.pinned = cuda_available() if pin is None else pin
+        self.shm_path = shm_path
+        self.buffer = _allocate(num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path)
+        self.slabs: list[torch.Tensor] = []
+        offset = 0
+        for size in row_bytes:
+            self.slabs.append(self.buffer[offset : offset + num_slots * size].view(num_slots, size))
+            offset += num_slots * size
+        log.info(
+            "host tier: %d slots x %d groups, %.1f MiB, pinned=%s%s",
+            num_slots,
+            len(row_bytes),
+            self.buffer.numel() / 2**20,
+            self.pinned,
+            f", shared at {shm_path}" if shm_path else "",
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.slabs)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.buffer.numel()
+
+    def row(self, group: int, slot: int) -> torch.Tensor:
+        """The uint8 row of ``slot`` in ``group`` (a view: writing it writes the tier)."""
+        return self.slabs[group][slot]
+
+    def close(self) -> None:
+        """Drop the buffer; a shared-memory file is removed by the process that made it."""
+        self.slabs.clear()
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self.shm_path and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
+
+
+def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> torch.Tensor:
+    if shm_path is None:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    with open(shm_path, "wb") as f:
+        f.truncate(nbytes)
+    buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
+    if pinned:
+        # Register the mapping with the driver; torch.empty(pin_memory=True) cannot map a file.
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} B at {shm_path} failed: {err}")
+    return buffer
