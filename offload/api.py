@@ -19,17 +19,18 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from offload.config import ConfigError, KVTierConfig, default_config, load_config
+from offload.config import KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
-from offload.manager import LookupResult, OffloadingManager
+from offload.manager import LookupResult
+from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
-from policies import make_policy
 from tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,13 @@ class Offloader:
         num_blocks: int | None = None,
         block_dims: Mapping[str, int] | None = None,
         blocks_per_key: int = 1,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         if config is None:
             config = default_config()
         elif not isinstance(config, KVTierConfig):
             config = load_config(config)
         self.config = config
-        if config.lower_tiers:
-            kind = config.lower_tiers[0].kind
-            raise ConfigError(
-                f"tiers[1].kind = {kind!r}: this tier is not available in this version of kvtier"
-            )
         self.caches: CanonicalKVCaches = canonicalize(
             kv_caches, groups, num_blocks=num_blocks, block_size=block_size, block_dims=block_dims
         )
@@ -66,21 +63,32 @@ class Offloader:
         host_cfg = config.host
         row_bytes = [self.caches.row_bytes(g) * blocks_per_key for g in range(self.caches.num_groups)]
         self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
-        self.manager = OffloadingManager(
-            self.caches.num_groups,
-            self.host.num_slots,
-            lambda capacity: make_policy(host_cfg.eviction, capacity, **host_cfg.eviction_params),
+        self.manager = build_manager(
+            config,
+            self.host,
+            fingerprint=self.caches.fingerprint,
+            dtype=",".join(sorted({str(t.dtype).removeprefix("torch.") for t in kv_caches.values()})),
+            shard=shard,
         )
         self.worker = OffloadingWorker(self.caches, self.host, blocks_per_row=blocks_per_key)
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, tuple[bool, list[OffloadKey]]] = {}
 
     def lookup(self, keys: Sequence[OffloadKey]) -> int:
-        """How many leading ``keys`` can be loaded now."""
+        """How many leading ``keys`` can be loaded now.
+
+        Keys found only in a lower tier start their promotion here (every one up to the
+        first miss, in one pass), and count once they have landed: call again after
+        ``poll`` to load the longer prefix.
+        """
+        hits: int | None = None
         for count, key in enumerate(keys):
-            if self.manager.lookup(key) is not LookupResult.HIT:
-                return count
-        return len(keys)
+            result = self.manager.lookup(key)
+            if result is LookupResult.MISS:
+                return count if hits is None else hits
+            if result is LookupResult.HIT_PENDING and hits is None:
+                hits = count
+        return len(keys) if hits is None else hits
 
     def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> int | None:
         """Start copying the blocks of ``keys`` out; the job id, or ``None`` if the tier is full.
@@ -111,7 +119,12 @@ class Offloader:
         return job_id
 
     def poll(self) -> list[TransferResult]:
-        """Finished jobs since the last call; their rows become readable or are released."""
+        """Finished jobs since the last call; their rows become readable or are released.
+
+        Also applies finished lower-tier work (promotions, spills).
+        """
+        self.manager.poll()
+        self.manager.on_schedule_end()
         results = self.worker.get_finished()
         for result in results:
             is_store, keys = self._jobs.pop(result.job_id)
@@ -126,12 +139,32 @@ class Offloader:
         self.worker.wait(list(self._jobs) if job_ids is None else job_ids)
         return self.poll()
 
-    def stats(self) -> dict[str, int]:
-        return self.manager.stats.as_dict()
+    def wait_tiers(self, timeout: float = 10.0) -> None:
+        """Block until lower-tier work (promotions, spills) has finished, then apply it."""
+        if self.manager.lower is not None:
+            self.manager.lower.engine.wait_idle(timeout)
+        self.manager.poll()
+
+    def stats(self) -> dict[str, object]:
+        stats: dict[str, object] = asdict(self.manager.stats)
+        lower = self.manager.lower
+        if lower is not None:
+            stats["lower"] = asdict(lower.stats)
+            stats["tiers"] = {tier.kind: tier.stats() for tier in lower.tiers}
+        return stats
+
+    def metrics_text(self) -> str:
+        """Per-tier hits, misses, bytes moved, evictions, rows and capacity in the Prometheus
+        text format (``offload.metrics``), e.g. to serve with ``offload.metrics.serve``."""
+        from offload.metrics import manager_families, render
+
+        row_bytes = sum(self.host.row_bytes) // max(1, len(self.host.row_bytes))
+        return render(manager_families(self.manager, row_bytes))
 
     def close(self) -> None:
         self.wait()
         self.worker.shutdown()
+        self.manager.shutdown()
         self.host.close()
 
     def __enter__(self) -> Offloader:

@@ -18,7 +18,7 @@
     capacity = "200GiB"
     eviction = "lru"
     placement = "write-back" # or "write-through"
-    admission = "seen-twice" # or "always"
+    admission = "seen-twice" # or "all"
     promotion = true         # copy a row found here up into the host tier on a hit
 
 Everything is validated here into frozen dataclasses; the rest of kvtier never reads a
@@ -57,7 +57,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 TIER_KINDS = ("host", "disk", "remote")
 PLACEMENTS = ("write-back", "write-through")
-ADMISSIONS = ("always", "seen-twice")
+ADMISSIONS = ("all", "seen-twice")
 
 
 def parse_size(value: Any, where: str) -> int:
@@ -94,7 +94,7 @@ class TierConfig:
     eviction: str = "lru"
     eviction_params: Mapping[str, Any] = field(default_factory=dict)
     placement: str = "write-back"
-    admission: str = "always"
+    admission: str = "all"
     promotion: bool = True
     path: str | None = None  # disk
     peers: tuple[str, ...] = ()  # remote
@@ -122,7 +122,7 @@ _KIND_KEYS = {
     "disk": {"path", "placement", "admission", "promotion"},
     "remote": {"peers", "token_file", "deadline_s", "placement", "admission", "promotion"},
 }
-_KIND_DEFAULT_ADMISSION = {"host": "always", "disk": "seen-twice", "remote": "always"}
+_KIND_DEFAULT_ADMISSION = {"host": "all", "disk": "seen-twice", "remote": "all"}
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:

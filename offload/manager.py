@@ -17,7 +17,14 @@ is vLLM's ``OffloadingManager``'s:
   ``complete_store(keys, success)`` makes stored rows readable or frees failed ones.
 - ``take_events()`` drains store / removal events once each, removals first; a key
   stored and removed between two drains is reported not at all.
-- ``reset()`` forgets everything unless a row is pinned or in flight.
+- ``reset()`` forgets every host row unless one is pinned or in flight.
+
+With tiers below the host (``lower``), a host miss that a lower tier holds starts a
+promotion into a freshly allocated host slot and answers ``HIT_PENDING`` until it lands;
+stored rows are copied down per placement (write-through at ``complete_store``,
+write-back before eviction), and eviction prefers rows already safe below. Finished
+lower-tier work is applied at the start of every call (and by ``poll``), so the state
+never changes behind the caller's back.
 
 The engine's lock (``lock``) is held by the caller across a scheduler step; no method
 takes it.
@@ -30,8 +37,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from offload.keys import OffloadKey, key_group
+from offload.tier_engine import OpKind, OpResult
+from offload.tiering import LowerTierChain
 from policies import EvictionPolicy
 from tiers.host import SlotAllocator
 
@@ -78,8 +88,10 @@ class OffloadingEvent:
 @dataclass
 class _Row:
     slot: int
-    ready: bool = False
-    pins: int = 0
+    ready: bool = False  # readable: stored or promoted, not in flight
+    pins: int = 0  # loads in flight (device <- host)
+    readers: int = 0  # copies down in flight (host -> lower tier)
+    dirty: bool = False  # must reach a write-back tier before it is evicted
 
 
 @dataclass
@@ -92,22 +104,23 @@ class ManagerStats:
     loaded_rows: int = 0
     evictions: int = 0
     rejected_stores: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    quarantined_slots: int = 0
 
 
 @dataclass
 class _Events:
     removed: dict[OffloadKey, None] = field(default_factory=dict)
     stored: dict[OffloadKey, None] = field(default_factory=dict)
+    stored_below: dict[str, dict[OffloadKey, None]] = field(default_factory=dict)
 
 
 class OffloadingManager:
     """Host-tier bookkeeping for ``num_groups`` KV groups of ``slots_per_group`` rows each.
 
     ``make_policy(capacity)`` builds one eviction policy per group: slots of one group
-    can only be freed by evicting keys of that group.
+    can only be freed by evicting keys of that group. ``lower`` is the chain of tiers
+    below the host and ``host_row(group, slot)`` the bytes of a host row (what the lower
+    tiers read and write); both or neither.
     """
 
     def __init__(
@@ -115,7 +128,13 @@ class OffloadingManager:
         num_groups: int,
         slots_per_group: int,
         make_policy: Callable[[int], EvictionPolicy],
+        *,
+        lower: LowerTierChain | None = None,
+        host_row: Callable[[int, int], memoryview] | None = None,
+        writeback_window: int | None = None,
     ) -> None:
+        if (lower is None) != (host_row is None):
+            raise ValueError("lower tiers need host_row, and host_row is only for lower tiers")
         if num_groups < 1 or slots_per_group < 1:
             raise ValueError(f"need at least one group and one slot, got {num_groups} and {slots_per_group}")
         self.num_groups = num_groups
@@ -127,6 +146,11 @@ class OffloadingManager:
         self._events = _Events()
         self.stats = ManagerStats()
         self._lock = threading.RLock()
+        self.lower = lower
+        self._host_row = host_row
+        self._step_hits: set[OffloadKey] = set()  # reported HIT this step, maybe not yet pinned
+        self._writeback_window = writeback_window or max(16, slots_per_group // 8)
+        self._quarantine: list[tuple[int, int]] = []  # (group, slot) a tier may still touch
 
     @property
     def lock(self) -> threading.RLock:
@@ -136,12 +160,19 @@ class OffloadingManager:
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> LookupResult:
+        self.poll()
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
+            if self.lower is not None and self._promote(key):
+                self.stats.pending += 1
+                return LookupResult.HIT_PENDING
             return LookupResult.MISS
         if row.ready:
             self.stats.hits += 1
+            self._step_hits.add(key)
+            if self.lower is not None:
+                self.lower.observe(key)
             return LookupResult.HIT
         self.stats.pending += 1
         return LookupResult.HIT_PENDING
@@ -175,32 +206,18 @@ class OffloadingManager:
     # -- stores ------------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        protected = set(keys)
+        self.poll()
         new_keys = [key for key in dict.fromkeys(keys) if key not in self._rows]
         wanted = [0] * self.num_groups
         for key in new_keys:
             wanted[self._group(key)] += 1
-
-        def evictable(key: object) -> bool:
-            row = self._rows[key]  # type: ignore[index]
-            return row.ready and row.pins == 0 and key not in protected
-
-        victims: dict[int, list[OffloadKey]] = {}
-        for group, count in enumerate(wanted):
-            short = count - self._allocators[group].num_free
-            if short <= 0:
-                continue
-            chosen = self._policies[group].evict(short, evictable)
-            if chosen is None:
-                self._restore(victims)
-                self.stats.rejected_stores += 1
-                return None
-            victims[group] = chosen  # type: ignore[assignment]
-
-        evicted = [key for chosen in victims.values() for key in chosen]
-        for key in evicted:
-            self._drop(key, removed_event=True)
-        self.stats.evictions += len(evicted)
+        if self.lower is not None:
+            for key in new_keys:
+                self.lower.observe(key)
+        evicted = self._make_room(wanted, protected=self._step_hits.union(keys))
+        if evicted is None:
+            self.stats.rejected_stores += 1
+            return None
 
         slots: dict[OffloadKey, int] = {}
         for group, count in enumerate(wanted):
@@ -214,9 +231,12 @@ class OffloadingManager:
             self._rows[key] = _Row(slots[key])
         for group, run, parent in _new_runs(keys, set(new_keys)):
             self._policies[group].on_insert_run(run, parent)
+        self._write_back(extra=len(new_keys))
         return PrepareStoreOutput(new_keys, HostSlots(new_keys, [slots[k] for k in new_keys]), evicted)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        self.poll()
+        stored: list[OffloadKey] = []
         for key in keys:
             row = self._rows.get(key)
             if row is None or row.ready:
@@ -224,35 +244,73 @@ class OffloadingManager:
                 continue
             if success:
                 row.ready = True
+                row.dirty = self.lower is not None and self.lower.has_write_back
                 self._events.stored[key] = None
                 self.stats.stored_rows += 1
+                stored.append(key)
             else:
                 self._policies[self._group(key)].on_remove(key)
                 self._drop(key, removed_event=False)
                 self.stats.failed_stores += 1
+        if stored and self.lower is not None:
+            self._copy_down(stored, on_evict=False)
+            self._write_back()  # rows stored near the eviction end start their way down now
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def on_request_finished(self, request_id: str) -> None:
         """Nothing is held per request: pins are released by ``complete_load``."""
 
+    def on_schedule_end(self) -> None:
+        """End of a scheduler step: rows reported ``HIT`` during it may be evicted again.
+
+        Between a ``HIT`` and the ``prepare_load`` that pins it, nothing this manager does
+        (a store, a promotion) evicts that row, or the load would find it gone.
+        """
+        self._step_hits.clear()
+
     def take_events(self) -> list[OffloadingEvent]:
+        self.poll()
         events = []
         if self._events.removed:
             events.append(OffloadingEvent(list(self._events.removed), HOST_MEDIUM, removed=True))
         if self._events.stored:
             events.append(OffloadingEvent(list(self._events.stored), HOST_MEDIUM, removed=False))
+        for medium, keys in self._events.stored_below.items():
+            events.append(OffloadingEvent(list(keys), medium, removed=False))
         self._events = _Events()
         return events
 
     def reset(self) -> bool:
-        """Forget every row; refused (``False``, nothing changed) while any is pinned or in flight."""
-        if any(row.pins or not row.ready for row in self._rows.values()):
+        """Forget every host row; refused (``False``, nothing changed) while any is pinned or in flight.
+
+        Lower tiers keep their rows: they are caches of what any engine computed, not of
+        this engine's state.
+        """
+        self.poll()
+        if any(row.pins or row.readers or not row.ready for row in self._rows.values()):
             return False
         for key in list(self._rows):
             self._drop(key, removed_event=True)
         self._policies = [self._make_policy(self.slots_per_group) for _ in range(self.num_groups)]
         return True
+
+    def poll(self) -> None:
+        """Apply finished lower-tier work: promoted rows become readable, spilled rows clean."""
+        if self.lower is None:
+            return
+        results = self.lower.drain()
+        for result in results:
+            if result.kind is OpKind.GET:
+                self._finish_promotion(result)
+            else:
+                self._finish_copy_down(result)
+        if results:
+            self._write_back()  # rows that finished copying may have left room for more
+
+    def shutdown(self) -> None:
+        if self.lower is not None:
+            self.lower.close()
 
     def contains(self, key: OffloadKey) -> bool:
         return key in self._rows
@@ -281,6 +339,132 @@ class OffloadingManager:
             del self._events.stored[key]
         else:
             self._events.removed[key] = None
+
+    def _evictable(self, protected: set[OffloadKey], *, clean_only: bool) -> Callable[[object], bool]:
+        def evictable(key: object) -> bool:
+            row = self._rows[key]  # type: ignore[index]
+            if not row.ready or row.pins or row.readers or key in protected:
+                return False
+            return not (clean_only and row.dirty)
+
+        return evictable
+
+    def _make_room(self, wanted: Sequence[int], protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """Evict so each group has ``wanted[group]`` free slots: the victims, or ``None`` and no change.
+
+        Rows already safe below (clean) go first; a dirty row is dropped without reaching
+        its write-back tier only when nothing clean can make room.
+        """
+        victims: dict[int, list[OffloadKey]] = {}
+        for group, count in enumerate(wanted):
+            short = count - self._allocators[group].num_free
+            if short <= 0:
+                continue
+            policy = self._policies[group]
+            chosen = policy.evict(short, self._evictable(protected, clean_only=True))
+            if chosen is None and self.lower is not None and self.lower.has_write_back:
+                chosen = policy.evict(short, self._evictable(protected, clean_only=False))
+            if chosen is None:
+                self._restore(victims)
+                return None
+            victims[group] = chosen  # type: ignore[assignment]
+        evicted = [key for chosen in victims.values() for key in chosen]
+        for key in evicted:
+            if self._rows[key].dirty and self.lower is not None:
+                self.lower.stats.dirty_dropped += 1
+            self._drop(key, removed_event=True)
+        self.stats.evictions += len(evicted)
+        return evicted
+
+    def _promote(self, key: OffloadKey) -> bool:
+        """Start copying ``key`` up from the first lower tier that holds it; ``False`` if none can."""
+        assert self.lower is not None and self._host_row is not None
+        tier = self.lower.locate(key)
+        if tier is None:
+            return False
+        group = self._group(key)
+        wanted = [0] * self.num_groups
+        wanted[group] = 1
+        if self._make_room(wanted, protected=self._step_hits | {key}) is None:
+            return False
+        allocated = self._allocators[group].allocate(1)
+        assert allocated is not None, "eviction freed too few slots"
+        slot = allocated[0]
+        if self.lower.get(tier, [(key, self._host_row(group, slot))]) is None:
+            self._allocators[group].free([slot])
+            return False
+        self._rows[key] = _Row(slot)
+        self._policies[group].on_insert(key)
+        return True
+
+    def _finish_promotion(self, result: OpResult) -> None:
+        assert self.lower is not None
+        for key, ok in zip(result.keys, result.ok, strict=True):
+            key = OffloadKey(key)
+            row = self._rows.get(key)
+            if row is None:  # cannot happen: a promoting row is never evictable
+                continue
+            if ok:
+                row.ready = True
+                self._events.stored[key] = None
+                self.lower.stats.promotions_done += 1
+                continue
+            self.lower.stats.promotions_failed += 1
+            self._policies[key_group(key)].on_remove(key)
+            if result.abandoned:  # the tier may still write into the slot: never reuse it
+                del self._rows[key]
+                self._quarantine.append((key_group(key), row.slot))
+                self.stats.quarantined_slots += 1
+            else:
+                self._drop(key, removed_event=False)
+
+    def _copy_down(self, keys: Sequence[OffloadKey], *, on_evict: bool) -> None:
+        """Start copying host rows to the tiers that take them (write-back or write-through)."""
+        assert self.lower is not None and self._host_row is not None
+        by_tier: dict[int, list[OffloadKey]] = {}
+        for key in keys:
+            targets = self.lower.targets(key, on_evict=on_evict)
+            if on_evict and not targets:
+                self._rows[key].dirty = False  # not admitted below: nothing to keep it for
+            for tier in targets:
+                by_tier.setdefault(tier, []).append(key)
+        for tier, tier_keys in by_tier.items():
+            rows = [(bytes(k), self._host_row(key_group(k), self._rows[k].slot)) for k in tier_keys]
+            if self.lower.put(tier, rows) is None:
+                continue  # saturated: write-back rows stay dirty and are retried later
+            for key in tier_keys:
+                self._rows[key].readers += 1
+
+    def _finish_copy_down(self, result: OpResult) -> None:
+        assert self.lower is not None
+        medium = self.lower.tier_kind(result.tier)
+        write_back = self.lower.placements[result.tier].copy_down_on_evict()
+        for key, ok in zip(result.keys, result.ok, strict=True):
+            key = OffloadKey(key)
+            row = self._rows.get(key)
+            if row is not None and not result.abandoned:  # an abandoned copy may still read the row
+                row.readers -= 1
+                if write_back:
+                    row.dirty = False  # copied, or failed and not worth retrying
+            if ok:
+                self._events.stored_below.setdefault(medium, {})[key] = None
+                self.lower.stats.spills_done += 1
+            else:
+                self.lower.stats.spills_failed += 1
+
+    def _write_back(self, extra: int = 0) -> None:
+        """Copy down dirty rows near the eviction end, so victims are clean when room is needed."""
+        if self.lower is None or not self.lower.has_write_back:
+            return
+        window = self._writeback_window + extra
+        for policy in self._policies:
+            candidates = []
+            for key in islice(iter(policy), window):
+                row = self._rows.get(key)  # type: ignore[call-overload]
+                if row is not None and row.ready and row.dirty and not row.readers:
+                    candidates.append(key)
+            if candidates:
+                self._copy_down(candidates, on_evict=True)
 
     def _restore(self, victims: dict[int, list[OffloadKey]]) -> None:
         """Give back victims chosen for a store that turned out impossible (they become recent)."""

@@ -67,19 +67,39 @@ class RowCopier:
     ``blocks_per_row`` device blocks make one host row (vLLM's ``blocks_per_chunk``): the
     slab ``(slots, blocks_per_row * block_bytes)`` is seen as ``(slots * blocks_per_row,
     block_bytes)`` and slot ``s`` holds sub-rows ``s * blocks_per_row ...``.
+
+    ``host_block_bytes`` (default ``block_bytes``) is the size of a host sub-row when it is
+    larger than this device's block: the block's bytes then sit at ``host_offset_bytes`` in
+    each sub-row, and the rest of the sub-row is another device's (a tensor-parallel rank's
+    band) or padding. vLLM's scheduler sizes host rows before any worker has seen its
+    tensors, so a sub-row is the engine's per-block page size, times its ranks.
     """
 
     def __init__(
-        self, caches: CanonicalKVCaches, group: int, host_slab: torch.Tensor, blocks_per_row: int = 1
+        self,
+        caches: CanonicalKVCaches,
+        group: int,
+        host_slab: torch.Tensor,
+        blocks_per_row: int = 1,
+        *,
+        host_block_bytes: int | None = None,
+        host_offset_bytes: int = 0,
     ) -> None:
         self.block_bytes = caches.row_bytes(group)
         self.blocks_per_row = blocks_per_row
-        if host_slab.shape[1] != self.block_bytes * blocks_per_row:
+        sub_row = self.block_bytes if host_block_bytes is None else host_block_bytes
+        if host_offset_bytes < 0 or host_offset_bytes + self.block_bytes > sub_row:
+            raise ValueError(
+                f"group {group}: a {self.block_bytes} B block at offset {host_offset_bytes} does not fit "
+                f"a {sub_row} B host sub-row"
+            )
+        if host_slab.shape[1] != sub_row * blocks_per_row:
             raise ValueError(
                 f"group {group}: host rows have {host_slab.shape[1]} B, expected "
-                f"{blocks_per_row} x {self.block_bytes} B"
+                f"{blocks_per_row} x {sub_row} B"
             )
-        self.host_rows = host_slab.view(-1, self.block_bytes)
+        band = slice(host_offset_bytes, host_offset_bytes + self.block_bytes)
+        self.host_rows = host_slab.view(-1, sub_row)[:, band]
         self.device = caches.device
         self.columns: list[_RefColumns] = []
         host_offset = 0
@@ -92,6 +112,8 @@ class RowCopier:
                 page.storage_offset(),
                 host_offset,
                 self.block_bytes,
+                sub_row,
+                host_offset_bytes,
             )
             device_cols = page[:, ref.offset_bytes : ref.offset_bytes + ref.page_size_bytes].view(word)
             host_cols = self.host_rows[:, host_offset : host_offset + ref.page_size_bytes].view(word)

@@ -12,6 +12,10 @@ Call contract (one caller thread, e.g. the engine's model runner):
 - ``get_finished`` returns each finished job once, in finishing order, never blocking.
 - ``wait`` blocks until the named jobs have finished; they are still reported by the next
   ``get_finished``.
+- ``first_sub_rows`` (optional, per group) says where a job's first block lands inside its
+  first slot when ``blocks_per_row > 1`` (vLLM's ``block_indices``: a load that starts in the
+  middle of a chunk); blocks then fill sub-rows in order and the last slot may be partly
+  used. Without it every slot is filled whole.
 
 A copy that raises is a ``TransferResult`` with ``success=False`` (the manager then
 treats the rows as never stored / the load as failed), never an exception on the
@@ -62,26 +66,57 @@ class OffloadingWorker:
         *,
         blocks_per_row: int = 1,
         stream: CopyStream | None = None,
+        host_block_bytes: Sequence[int] | None = None,
+        host_offset_bytes: Sequence[int] | None = None,
     ) -> None:
+        """``host_block_bytes`` / ``host_offset_bytes``: per group, a host sub-row larger than a
+        device block and where this device's bytes sit in it (see ``RowCopier``)."""
         if host.num_groups != caches.num_groups:
             raise ValueError(f"host tier has {host.num_groups} groups, the KV caches {caches.num_groups}")
+        groups = caches.num_groups
+        sub_rows = list(host_block_bytes) if host_block_bytes is not None else [None] * groups
+        offsets = list(host_offset_bytes) if host_offset_bytes is not None else [0] * groups
+        if len(sub_rows) != groups or len(offsets) != groups:
+            raise ValueError(f"host_block_bytes and host_offset_bytes need one value per group ({groups})")
         self.caches = caches
         self.host = host
         self.blocks_per_row = blocks_per_row
         self.copiers = [
-            RowCopier(caches, group, host.slabs[group], blocks_per_row) for group in range(caches.num_groups)
+            RowCopier(
+                caches,
+                group,
+                host.slabs[group],
+                blocks_per_row,
+                host_block_bytes=sub_rows[group],
+                host_offset_bytes=offsets[group],
+            )
+            for group in range(groups)
         ]
         self._stream = stream or make_copy_stream(caches.device)
         self._jobs: dict[int, _Job] = {}
 
-    def submit_store(self, job_id: int, block_ids: PerGroup, slots: PerGroup) -> bool:
+    def submit_store(
+        self,
+        job_id: int,
+        block_ids: PerGroup,
+        slots: PerGroup,
+        *,
+        first_sub_rows: Sequence[int] | None = None,
+    ) -> bool:
         """Copy device blocks into host slots (``blocks_per_row`` blocks per slot)."""
-        plan = self._plan(job_id, block_ids, slots, is_store=True)
+        plan = self._plan(job_id, block_ids, slots, first_sub_rows, is_store=True)
         return self._submit(job_id, plan, is_store=True)
 
-    def submit_load(self, job_id: int, block_ids: PerGroup, slots: PerGroup) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        block_ids: PerGroup,
+        slots: PerGroup,
+        *,
+        first_sub_rows: Sequence[int] | None = None,
+    ) -> bool:
         """Copy host slots into device blocks."""
-        plan = self._plan(job_id, block_ids, slots, is_store=False)
+        plan = self._plan(job_id, block_ids, slots, first_sub_rows, is_store=False)
         return self._submit(job_id, plan, is_store=False)
 
     def get_finished(self) -> list[TransferResult]:
@@ -103,7 +138,13 @@ class OffloadingWorker:
         self._stream.close()
 
     def _plan(
-        self, job_id: int, block_ids: PerGroup, slots: PerGroup, *, is_store: bool
+        self,
+        job_id: int,
+        block_ids: PerGroup,
+        slots: PerGroup,
+        first_sub_rows: Sequence[int] | None,
+        *,
+        is_store: bool,
     ) -> list[tuple[RowCopier, list[int], list[int]]]:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id} is already in flight")
@@ -113,16 +154,26 @@ class OffloadingWorker:
                 f"job {job_id}: expected block ids and slots for {groups} groups, "
                 f"got {len(block_ids)} and {len(slots)}"
             )
+        if first_sub_rows is not None and len(first_sub_rows) != groups:
+            raise ValueError(f"job {job_id}: expected first_sub_rows for {groups} groups")
         plan = []
         for group, (copier, blocks, group_slots) in enumerate(
             zip(self.copiers, block_ids, slots, strict=True)
         ):
             blocks = [int(b) for b in blocks]
             group_slots = [int(s) for s in group_slots]
-            if len(blocks) != len(group_slots) * self.blocks_per_row:
+            skip = 0 if first_sub_rows is None else int(first_sub_rows[group])
+            if first_sub_rows is None:
+                fits = len(blocks) == len(group_slots) * self.blocks_per_row
+            else:
+                fits = 0 <= skip < self.blocks_per_row and len(group_slots) == -(
+                    -(len(blocks) + skip) // self.blocks_per_row
+                )
+            if not fits or (skip and not blocks):
+                start = "" if first_sub_rows is None else f" from sub-row {skip}"
                 raise ValueError(
-                    f"job {job_id}, group {group}: {len(blocks)} device blocks for {len(group_slots)} slots "
-                    f"of {self.blocks_per_row} block(s) each"
+                    f"job {job_id}, group {group}: {len(blocks)} device blocks{start} for "
+                    f"{len(group_slots)} slots of {self.blocks_per_row} block(s) each"
                 )
             _check_range(job_id, group, "device block", blocks, self.caches.num_blocks)
             _check_range(job_id, group, "host slot", group_slots, self.host.num_slots)
@@ -131,7 +182,7 @@ class OffloadingWorker:
             if is_store and len(set(group_slots)) != len(group_slots):
                 raise ValueError(f"job {job_id}, group {group}: a store writes a host slot twice")
             if blocks:
-                plan.append((copier, blocks, copier.sub_rows(group_slots)))
+                plan.append((copier, blocks, copier.sub_rows(group_slots)[skip : skip + len(blocks)]))
         return plan
 
     def _submit(

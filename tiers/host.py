@@ -126,19 +126,28 @@ class HostTier:
         """The uint8 row of ``slot`` in ``group`` (a view: writing it writes the tier)."""
         return self.slabs[group][slot]
 
-    def close(self) -> None:
-        """Drop the buffer; a shared-memory file is removed by the process that made it."""
+    def close(self, *, unlink: bool = False) -> None:
+        """Drop this process's mapping; ``unlink`` also removes a shared-memory file (its owner does)."""
         self.slabs.clear()
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        if self.shm_path and os.path.exists(self.shm_path):
+        if unlink and self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
 
 
 def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> torch.Tensor:
     if shm_path is None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    with open(shm_path, "wb") as f:
-        f.truncate(nbytes)
+    # Several processes map the same file (the scheduler and each worker): grow it to size
+    # if needed, never truncate what another process may already be using.
+    fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            os.ftruncate(fd, nbytes)
+        elif size > nbytes:
+            raise ValueError(f"{shm_path} holds {size} B, this host tier needs {nbytes} B: another layout?")
+    finally:
+        os.close(fd)
     buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
     if pinned:
         # Register the mapping with the driver; torch.empty(pin_memory=True) cannot map a file.

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from offload.api import Offloader
-from offload.config import ConfigError
 from offload.keys import make_key
 from tests.offload.layouts import LAYOUTS, NUM_BLOCKS, packed_views, per_layer_blocks_first, scramble
 
@@ -105,18 +104,6 @@ def test_bad_inputs_are_clear_errors_and_change_nothing():
         assert offloader.lookup(keys_for("x", 1)) == 0  # the failed store left nothing behind
         with pytest.raises(ValueError, match="not a readable host row"):
             offloader.load(keys_for("never", 1), [0])
-
-
-def test_unavailable_tier_kind_is_a_config_error(tmp_path):
-    kv, groups = per_layer_blocks_first()
-    cfg = {
-        "tiers": [
-            {"kind": "host", "capacity": "1MiB"},
-            {"kind": "disk", "capacity": "1GiB", "path": str(tmp_path)},
-        ]
-    }
-    with pytest.raises(ConfigError, match=r"tiers\[1\]\.kind = 'disk'"):
-        Offloader(kv, groups, cfg)
 
 
 def test_host_tier_too_small_for_one_row():

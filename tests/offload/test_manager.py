@@ -196,3 +196,14 @@ def test_completing_unknown_keys_is_harmless():
     m.complete_store([k(5)])
     m.complete_load([k(5)])
     assert m.lookup(k(5)) is MISS
+
+
+def test_a_hit_is_not_evicted_before_the_step_ends():
+    m = manager(slots=2)
+    stored(m, 1)
+    stored(m, 2)
+    assert m.lookup(k(1)) is HIT  # the scheduler will pin it with prepare_load later this step
+    assert m.prepare_store([k(3)]).evicted_keys == [k(2)]
+    assert m.prepare_store([k(4)]) is None  # k1 reported HIT, k3 in flight: nothing to evict
+    m.on_schedule_end()
+    assert m.prepare_store([k(4)]).evicted_keys == [k(1)]

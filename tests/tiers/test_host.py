@@ -53,4 +53,10 @@ def test_shared_memory_file_is_seen_by_another_mapping(tmp_path):
     host.row(0, 2).copy_(torch.arange(64, dtype=torch.uint8))
     other = torch.from_file(path, shared=True, size=64 * 4, dtype=torch.uint8)
     assert other[128:192].tolist() == list(range(64))
-    host.close()
+    second = HostTier([64], 64 * 4, shm_path=path)  # a second process's view: same bytes
+    assert second.row(0, 2).tolist() == list(range(64))
+    with pytest.raises(ValueError, match="another layout"):
+        HostTier([32], 32 * 4, shm_path=path)
+    second.close()
+    host.close(unlink=True)
+    assert not (tmp_path / "kvtier_host.mmap").exists()

@@ -1,0 +1,66 @@
+"""Assembling a manager from a configuration: host policy, lower tiers, placement, engine.
+
+The standalone ``Offloader`` and the vLLM spec build the same stack; this is the one place
+that knows how. The host tier's memory is passed in (a private buffer for ``Offloader``, a
+shared-memory mapping in vLLM's scheduler process).
+"""
+
+from __future__ import annotations
+
+from offload.config import KVTierConfig
+from offload.manager import OffloadingManager
+from offload.namespace import Namespace
+from offload.tier_engine import TierEngine
+from offload.tiering import LowerTierChain, build_tier, placement_for
+from policies import make_policy
+from tiers.host import HostTier
+from tiers.row_format import layout_id_from_fingerprint
+
+
+def build_manager(
+    config: KVTierConfig,
+    host: HostTier,
+    *,
+    fingerprint: str,
+    dtype: str,
+    shard: tuple[int, int] = (0, 1),
+) -> OffloadingManager:
+    """The manager for ``host``, with every lower tier of ``config`` opened and running.
+
+    ``fingerprint`` is the layout fingerprint of the rows (``CanonicalKVCaches.fingerprint``);
+    with ``dtype`` and ``shard`` it makes the namespace that keys every persisted row.
+    Raises ``TierError`` if a lower tier cannot start, ``ConfigError`` for a tier kind
+    without an implementation.
+    """
+    host_cfg = config.host
+    lower = _start_lower_tiers(config, host, fingerprint=fingerprint, dtype=dtype, shard=shard)
+    host_rows = [slab.numpy() for slab in host.slabs]
+    return OffloadingManager(
+        host.num_groups,
+        host.num_slots,
+        lambda capacity: make_policy(host_cfg.eviction, capacity, **host_cfg.eviction_params),
+        lower=lower,
+        host_row=(lambda group, slot: memoryview(host_rows[group][slot])) if lower else None,
+    )
+
+
+def _start_lower_tiers(
+    config: KVTierConfig, host: HostTier, *, fingerprint: str, dtype: str, shard: tuple[int, int]
+) -> LowerTierChain | None:
+    tier_configs = config.lower_tiers
+    if not tier_configs:
+        return None
+    namespace = Namespace(
+        model=config.namespace.model,
+        layout_fingerprint=fingerprint,
+        dtype=dtype,
+        shard=shard,
+        tenant=config.namespace.tenant,
+    ).digest()
+    layout_id = layout_id_from_fingerprint(fingerprint)
+    mean_row = sum(host.row_bytes) // len(host.row_bytes)
+    tiers = [build_tier(tier, namespace, layout_id, mean_row) for tier in tier_configs]
+    placements = [placement_for(tier, tier.capacity_bytes // mean_row) for tier in tier_configs]
+    engine = TierEngine(tiers, deadline_s=max(tier.deadline_s for tier in tier_configs))
+    engine.start(memoryview(host.buffer.numpy()))
+    return LowerTierChain(tiers, placements, engine)

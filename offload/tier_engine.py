@@ -1,0 +1,189 @@
+"""The tier engine: host <-> lower-tier transfers on one asyncio event loop (uvloop).
+
+The manager lives on the scheduler thread and must never wait for a disk or a peer. It
+hands the engine *operations* (put these host rows into that tier, get those rows into
+these host slots) and later drains *results*; the engine runs each operation as a task
+on its own event loop in a background thread, with
+
+- a deadline on every operation: tiers keep their own (and must not touch a row after
+  their call returns); the engine's is a safety net above it. An operation that overruns
+  the safety net is reported failed and ``abandoned``: its thread may still be reading or
+  writing the rows, so the manager never reuses those host slots;
+- bounded in-flight work per tier (a slow tier backs up into refusals, not memory),
+- a result per key (``ok[i]``), so a partly failed batch loses only what failed.
+
+Results are appended to a deque (thread-safe for append/popleft) and read by ``drain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tiers.base import LowerTier, Row, TierError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class OpKind(enum.Enum):
+    PUT = "put"
+    GET = "get"
+
+
+@dataclass(frozen=True)
+class OpResult:
+    op_id: int
+    kind: OpKind
+    tier: int
+    keys: list[bytes]
+    ok: list[bool]
+    seconds: float
+    abandoned: bool = False
+    """The tier overran the engine's safety deadline and may still touch the rows' memory."""
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class TierEngine:
+    """Runs lower-tier operations on a background event loop; never blocks its callers.
+
+    ``start(host_buffer)`` opens every tier (raising ``TierError`` if one cannot start),
+    ``submit_put`` / ``submit_get`` queue an operation and return at once (``False`` when
+    the tier already has ``max_inflight`` operations: the caller treats that as a miss or
+    skips the spill), ``drain`` returns finished operations.
+    """
+
+    def __init__(
+        self, tiers: Sequence[LowerTier], *, deadline_s: float = 2.0, max_inflight: int = 64
+    ) -> None:
+        self.tiers = list(tiers)
+        self.deadline_s = deadline_s
+        self.safety_deadline_s = 2 * deadline_s + 1.0
+        self.max_inflight = max_inflight
+        self._inflight = [0] * len(self.tiers)
+        self._results: collections.deque[OpResult] = collections.deque()
+        self._idle = threading.Condition()
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-tiers", daemon=True)
+        self._started = False
+
+    def start(self, host_buffer: memoryview | None) -> None:
+        self._thread.start()
+        self._started = True
+        for tier in self.tiers:
+            try:
+                self._call(tier.open(host_buffer), timeout=max(self.deadline_s, 30.0))
+            except TierError:
+                self.close()
+                raise
+            except Exception as exc:
+                self.close()
+                raise TierError(f"{tier.kind} tier failed to start: {exc!r}") from exc
+
+    def submit_put(self, op_id: int, tier: int, rows: Sequence[Row]) -> bool:
+        return self._submit(op_id, OpKind.PUT, tier, rows, self.tiers[tier].put)
+
+    def submit_get(self, op_id: int, tier: int, rows: Sequence[Row]) -> bool:
+        return self._submit(op_id, OpKind.GET, tier, rows, self.tiers[tier].get)
+
+    def drain(self) -> list[OpResult]:
+        results = []
+        while self._results:
+            results.append(self._results.popleft())
+        return results
+
+    def has_results(self) -> bool:
+        return bool(self._results)
+
+    def inflight(self) -> int:
+        return sum(self._inflight)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no operation is in flight (tests, shutdown); ``False`` on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.inflight() == 0, timeout)
+
+    def tier_stats(self) -> list[dict[str, float]]:
+        return [tier.stats() for tier in self.tiers]
+
+    def close(self) -> None:
+        if not self._started:
+            return
+        self.wait_idle(timeout=self.deadline_s * 2)
+        for tier in self.tiers:
+            try:
+                self._call(tier.close(), timeout=self.deadline_s * 2)
+            except Exception as exc:  # closing must not stop the other tiers from closing
+                log.warning("closing the %s tier failed: %r", tier.kind, exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._started = False
+
+    def _submit(
+        self,
+        op_id: int,
+        kind: OpKind,
+        tier: int,
+        rows: Sequence[Row],
+        operation: Callable[[Sequence[Row]], Awaitable[list[bool]]],
+    ) -> bool:
+        with self._idle:
+            if self._inflight[tier] >= self.max_inflight:
+                return False
+            self._inflight[tier] += 1
+        rows = list(rows)
+        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, rows, operation), self._loop)
+        return True
+
+    async def _run(
+        self,
+        op_id: int,
+        kind: OpKind,
+        tier: int,
+        rows: list[Row],
+        operation: Callable[[Sequence[Row]], Awaitable[list[bool]]],
+    ) -> None:
+        keys = [key for key, _row in rows]
+        start = self._loop.time()
+        abandoned = False
+        try:
+            ok = await asyncio.wait_for(operation(rows), self.safety_deadline_s)
+            if len(ok) != len(rows):
+                raise RuntimeError(f"{len(ok)} results for {len(rows)} rows")
+        except TimeoutError:
+            log.error(
+                "%s tier %s of %d rows overran %.1f s: abandoned",
+                self.tiers[tier].kind,
+                kind.value,
+                len(rows),
+                self.safety_deadline_s,
+            )
+            ok, abandoned = [False] * len(rows), True
+        except Exception as exc:  # a failed operation: every key of it failed
+            log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(rows), exc)
+            ok = [False] * len(rows)
+        self._results.append(
+            OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned)
+        )
+        with self._idle:
+            self._inflight[tier] -= 1
+            self._idle.notify_all()
+
+    def _call(self, coroutine: Awaitable[T], timeout: float) -> T:
+        """Run a coroutine on the engine loop from another thread and wait for it (start/close only)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)  # type: ignore[arg-type]
+        return future.result(timeout)

@@ -1,0 +1,164 @@
+"""The chain of tiers below the host tier, as the manager sees it.
+
+Every lower tier is fed from the host tier and feeds the host tier back; tiers do not
+cascade into each other. What goes where is each tier's **placement** (``policies/
+placement.py``):
+
+- write-through: a row is copied down as soon as its store into the host tier completes;
+- write-back: a row is copied down before the host tier evicts it (the manager spills
+  rows nearing the eviction end of the host policy in the background, so that victims
+  are already clean when a store needs their slots);
+- admission: a tier only takes rows its rule admits (``seen-twice`` counts how often a
+  block was computed or hit, in a bounded sketch);
+- promotion: a lookup that misses the host tier but finds the row below copies it up
+  (``HIT_PENDING`` until it lands).
+
+This module holds those rules and the ``TierEngine``; the manager holds the row states.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from offload.config import ConfigError, TierConfig
+from offload.tier_engine import OpResult, TierEngine
+from policies.placement import Placement, make_admission
+from tiers.base import LowerTier, Row
+
+log = logging.getLogger(__name__)
+
+_WRITE_MODES = {"write-back": "back", "write-through": "through"}
+
+
+def placement_for(tier: TierConfig, capacity_rows: int) -> Placement:
+    """The placement rule of a configured lower tier."""
+    return Placement(
+        write=_WRITE_MODES[tier.placement],  # type: ignore[arg-type]
+        admission=make_admission(tier.admission, max(1, capacity_rows)),
+        promote=tier.promotion,
+    )
+
+
+def build_tier(tier: TierConfig, namespace: bytes, layout_id: bytes, row_bytes: int) -> LowerTier:
+    """The lower tier a config entry describes, keyed by ``namespace``, serving rows of ``layout_id``.
+
+    ``row_bytes`` is the usual row size, for tiers that size their policy in rows.
+    """
+    if tier.kind == "disk":
+        from tiers.disk import DiskTier
+
+        assert tier.path is not None
+        return DiskTier(
+            tier.path,
+            tier.capacity_bytes,
+            namespace,
+            layout_id,
+            eviction=tier.eviction,
+            eviction_params=dict(tier.eviction_params),
+            row_bytes=row_bytes,
+        )
+    if tier.kind == "remote":
+        from tiers.remote import RemoteTier
+
+        return RemoteTier(
+            list(tier.peers),
+            namespace,
+            layout_id,
+            token=_read_token(tier.token_file),
+            deadline_s=tier.deadline_s,
+        )
+    raise ConfigError(f"tiers: kind {tier.kind!r} has no lower-tier implementation")
+
+
+def _read_token(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"token_file = {path!r}: cannot read it: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(f"token_file = {path!r}: the file is empty")
+    return token
+
+
+@dataclass
+class ChainStats:
+    promotions_started: int = 0
+    promotions_done: int = 0
+    promotions_failed: int = 0
+    spills_started: int = 0
+    spills_done: int = 0
+    spills_failed: int = 0
+    spills_refused: int = 0
+    dirty_dropped: int = 0
+
+
+class LowerTierChain:
+    """Placement rules and the engine that moves rows, for the tiers below the host."""
+
+    def __init__(
+        self, tiers: Sequence[LowerTier], placements: Sequence[Placement], engine: TierEngine
+    ) -> None:
+        if len(tiers) != len(placements):
+            raise ValueError(f"{len(tiers)} tiers but {len(placements)} placements")
+        self.tiers = list(tiers)
+        self.placements = list(placements)
+        self.engine = engine
+        self.stats = ChainStats()
+        self._op_ids = itertools.count(1)
+
+    @property
+    def has_write_back(self) -> bool:
+        return any(p.copy_down_on_evict() for p in self.placements)
+
+    def observe(self, key: Hashable) -> None:
+        """A block was computed or hit: count it for admission."""
+        for placement in self.placements:
+            placement.admission.observe(key)
+
+    def locate(self, key: bytes) -> int | None:
+        """The first tier that (by its local index) holds ``key`` and promotes hits."""
+        for index, (tier, placement) in enumerate(zip(self.tiers, self.placements, strict=True)):
+            if placement.promote_on_hit() and tier.may_contain(key):
+                return index
+        return None
+
+    def targets(self, key: bytes, *, on_evict: bool) -> list[int]:
+        """Tiers that take ``key`` now: write-back ones before eviction, write-through ones on store."""
+        return [
+            index
+            for index, placement in enumerate(self.placements)
+            if (placement.copy_down_on_evict() if on_evict else placement.copy_down_on_store())
+            and placement.admit(key)
+        ]
+
+    def put(self, tier: int, rows: Sequence[Row]) -> int | None:
+        """Start copying host rows down; the operation id, or ``None`` if the tier is saturated."""
+        op_id = next(self._op_ids)
+        if not self.engine.submit_put(op_id, tier, rows):
+            self.stats.spills_refused += len(rows)
+            return None
+        self.stats.spills_started += len(rows)
+        return op_id
+
+    def get(self, tier: int, rows: Sequence[Row]) -> int | None:
+        """Start copying rows up into host rows; the operation id, or ``None`` if saturated."""
+        op_id = next(self._op_ids)
+        if not self.engine.submit_get(op_id, tier, rows):
+            return None
+        self.stats.promotions_started += len(rows)
+        return op_id
+
+    def drain(self) -> list[OpResult]:
+        return self.engine.drain() if self.engine.has_results() else []
+
+    def tier_kind(self, tier: int) -> str:
+        return self.tiers[tier].kind
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,165 @@
+"""Spill and promotion through a real disk tier (LMDB in a temporary folder)."""
+
+import pytest
+import torch
+
+from offload.api import Offloader
+from offload.keys import make_key
+from tests.offload.layouts import per_layer_blocks_first, scramble
+from tiers.base import TierError
+
+
+def keys_for(prefix: str, n: int) -> list[bytes]:
+    return [make_key(f"{prefix}{i}".encode().ljust(16, b"."), 0) for i in range(n)]
+
+
+def config(tmp_path, host_rows: int, row: int, **disk) -> dict:
+    disk_tier = {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB", "admission": "all"}
+    disk_tier.update(disk)
+    return {"tiers": [{"kind": "host", "capacity": host_rows * row}, disk_tier]}
+
+
+@pytest.fixture
+def layout():
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    return kv, groups, row
+
+
+def store_each(offloader, keys, blocks):
+    for key, block in zip(keys, blocks, strict=True):
+        assert offloader.store([key], [block]) is not None
+        offloader.wait()
+        offloader.wait_tiers()  # a row being copied down cannot be evicted yet
+
+
+def promote(offloader, keys) -> int:
+    """Look up until the promotions have landed; the hit count then."""
+    offloader.lookup(keys)
+    offloader.wait_tiers()
+    return offloader.lookup(keys)
+
+
+def test_write_through_spills_and_promotes_byte_exact(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        keys = keys_for("wt", 4)
+        originals = [offloader.caches.read_row(0, b) for b in range(4)]
+        store_each(offloader, keys, range(4))
+        offloader.wait_tiers()
+        disk = offloader.manager.lower.tiers[0]
+        assert all(disk.may_contain(key) for key in keys)
+        assert offloader.lookup(keys[:2]) == 0  # evicted from the 2-row host tier...
+        assert promote(offloader, keys[:2]) == 2  # ...and promoted back from disk
+        scramble(kv)
+        offloader.load(keys[:2], [8, 9])
+        offloader.wait()
+        assert [offloader.caches.read_row(0, b) for b in (8, 9)] == originals[:2]
+        stats = offloader.stats()
+        assert stats["lower"]["promotions_done"] == 2
+        assert stats["lower"]["spills_done"] == 4
+
+
+def test_write_back_spills_victims_before_eviction(tmp_path, layout):
+    kv, groups, row = layout
+    cfg = config(tmp_path, 3, row, placement="write-back")
+    with Offloader(kv, groups, cfg) as offloader:
+        keys = keys_for("wb", 8)
+        originals = [offloader.caches.read_row(0, b) for b in range(8)]
+        store_each(offloader, keys, range(8))
+        assert offloader.stats()["lower"]["dirty_dropped"] == 0
+        assert promote(offloader, keys[:3]) == 3
+        scramble(kv)
+        offloader.load(keys[:3], [9, 10, 11])
+        offloader.wait()
+        assert [offloader.caches.read_row(0, b) for b in (9, 10, 11)] == originals[:3]
+
+
+def test_restart_is_warm(tmp_path, layout):
+    kv, groups, row = layout
+    keys = keys_for("warm", 3)
+    originals = [bytes(kv[name][0:3].view(torch.uint8).flatten().numpy()) for name in groups[0]]
+    with Offloader(kv, groups, config(tmp_path, 4, row, placement="write-through")) as offloader:
+        before = [offloader.caches.read_row(0, b) for b in range(3)]
+        offloader.store(keys, [0, 1, 2])
+        offloader.wait()
+        offloader.wait_tiers()
+    scramble(kv)
+    assert [bytes(kv[name][0:3].view(torch.uint8).flatten().numpy()) for name in groups[0]] != originals
+    with Offloader(kv, groups, config(tmp_path, 4, row, placement="write-through")) as restarted:
+        assert promote(restarted, keys) == 3
+        restarted.load(keys, [0, 1, 2])
+        restarted.wait()
+        assert [restarted.caches.read_row(0, b) for b in range(3)] == before
+
+
+def test_seen_twice_admission_keeps_one_off_blocks_off_disk(tmp_path, layout):
+    kv, groups, row = layout
+    cfg = config(tmp_path, 2, row, placement="write-through", admission="seen-twice")
+    with Offloader(kv, groups, cfg) as offloader:
+        once, twice = keys_for("once", 1), keys_for("twice", 1)
+        offloader.store(once + twice, [0, 1])
+        offloader.wait()
+        assert offloader.lookup(twice) == 1  # a hit: the second time it is asked for
+        offloader.poll()
+        offloader.store(keys_for("x", 2), [2, 3])  # evicts both from the host tier
+        offloader.wait()
+        offloader.wait_tiers()
+        disk = offloader.manager.lower.tiers[0]
+        assert not disk.may_contain(once[0])
+        assert not disk.may_contain(twice[0])  # written through at store time: seen once then
+        offloader.store(twice, [1])  # computed again: now seen twice, admitted
+        offloader.wait()
+        offloader.wait_tiers()
+        assert disk.may_contain(twice[0])
+
+
+def test_a_flipped_byte_on_disk_is_a_miss_and_loads_nothing(tmp_path, layout):
+    kv, groups, row = layout
+    keys = keys_for("bad", 1)
+    with Offloader(kv, groups, config(tmp_path, 4, row, placement="write-through")) as offloader:
+        stored_row = offloader.caches.read_row(0, 0)
+        offloader.store(keys, [0])
+        offloader.wait()
+        offloader.wait_tiers()
+    data_file = tmp_path / "disk" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    where = data.find(stored_row[:64])
+    assert where >= 0 and data.count(stored_row[:64]) == 1
+    data[where + len(stored_row) // 2] ^= 0x01  # bit rot in the middle of the row
+    data_file.write_bytes(bytes(data))
+    scramble(kv)
+    device_before = bytes(kv["layer.0"][5].view(torch.uint8).flatten().numpy())
+    with Offloader(kv, groups, config(tmp_path, 4, row, placement="write-through")) as offloader:
+        assert promote(offloader, keys) == 0
+        lower = offloader.stats()["lower"]
+        assert (lower["promotions_started"], lower["promotions_failed"]) == (1, 1)
+        assert offloader.stats()["tiers"]["disk"]["corrupt"] == 1
+        assert offloader.lookup(keys) == 0  # deleted: no second promotion attempt
+        assert offloader.stats()["lower"]["promotions_started"] == 1
+        assert bytes(kv["layer.0"][5].view(torch.uint8).flatten().numpy()) == device_before
+
+
+def test_another_tenant_or_layout_never_hits(tmp_path, layout):
+    kv, groups, row = layout
+    keys = keys_for("tenant", 2)
+    with Offloader(kv, groups, config(tmp_path, 4, row, placement="write-through")) as offloader:
+        offloader.store(keys, [0, 1])
+        offloader.wait()
+        offloader.wait_tiers()
+    other_tenant = config(tmp_path, 4, row, placement="write-through")
+    other_tenant["namespace"] = {"tenant": "someone-else"}
+    with Offloader(kv, groups, other_tenant) as offloader:
+        assert promote(offloader, keys) == 0
+    with Offloader(
+        kv, groups, config(tmp_path, 4, row, placement="write-through"), block_size=32
+    ) as offloader:
+        assert promote(offloader, keys) == 0
+
+
+def test_a_locked_disk_tier_is_a_clear_error_at_start(tmp_path, layout):
+    kv, groups, row = layout
+    cfg = config(tmp_path, 4, row)
+    with Offloader(kv, groups, cfg), pytest.raises(TierError, match="lock"):
+        Offloader(kv, groups, cfg)
