@@ -87,6 +87,7 @@ class OffloadingEvent:
 
 @dataclass
 class _Row:
+    group: int
     slot: int
     ready: bool = False  # readable: stored or promoted, not in flight
     pins: int = 0  # loads in flight (device <- host)
@@ -149,6 +150,7 @@ class OffloadingManager:
         self.lower = lower
         self._host_row = host_row
         self._step_hits: set[OffloadKey] = set()  # reported HIT this step, maybe not yet pinned
+        self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
         self._quarantine: list[tuple[int, int]] = []  # (group, slot) a tier may still touch
 
@@ -165,12 +167,17 @@ class OffloadingManager:
         row = self._rows.get(key)
         if row is None:
             if self.lower is not None and self._promote(key):
+                self._last_lookup[key_group(key)] = key
                 self.stats.pending += 1
                 return LookupResult.HIT_PENDING
             return LookupResult.MISS
+        if self.lower is not None:
+            self._last_lookup[row.group] = key
         if row.ready:
             self.stats.hits += 1
             self._step_hits.add(key)
+            if len(self._step_hits) > 2 * len(self._rows):  # a caller that never ends its steps
+                self._step_hits.intersection_update(self._rows)
             if self.lower is not None:
                 self.lower.observe(key)
             return LookupResult.HIT
@@ -191,8 +198,9 @@ class OffloadingManager:
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         for key in reversed(keys):
-            if key in self._rows:
-                self._policies[key_group(key)].on_access(key)
+            row = self._rows.get(key)
+            if row is not None:
+                self._policies[row.group].on_access(key)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
@@ -209,12 +217,13 @@ class OffloadingManager:
         self.poll()
         new_keys = [key for key in dict.fromkeys(keys) if key not in self._rows]
         wanted = [0] * self.num_groups
-        for key in new_keys:
-            wanted[self._group(key)] += 1
+        wanted_group = {key: self._group(key) for key in new_keys}
+        for group in wanted_group.values():
+            wanted[group] += 1
         if self.lower is not None:
             for key in new_keys:
                 self.lower.observe(key)
-        evicted = self._make_room(wanted, protected=self._step_hits.union(keys))
+        evicted = self._make_room(wanted, protected=set(keys))
         if evicted is None:
             self.stats.rejected_stores += 1
             return None
@@ -222,13 +231,13 @@ class OffloadingManager:
         slots: dict[OffloadKey, int] = {}
         for group, count in enumerate(wanted):
             if count:
-                group_keys = [key for key in new_keys if self._group(key) == group]
+                group_keys = [key for key in new_keys if wanted_group[key] == group]
                 allocated = self._allocators[group].allocate(count)
                 assert allocated is not None, "eviction freed too few slots"
                 slots.update(zip(group_keys, allocated, strict=True))
 
         for key in new_keys:
-            self._rows[key] = _Row(slots[key])
+            self._rows[key] = _Row(wanted_group[key], slots[key])
         for group, run, parent in _new_runs(keys, set(new_keys)):
             self._policies[group].on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
@@ -268,6 +277,7 @@ class OffloadingManager:
         (a store, a promotion) evicts that row, or the load would find it gone.
         """
         self._step_hits.clear()
+        self._last_lookup.clear()
 
     def take_events(self) -> list[OffloadingEvent]:
         self.poll()
@@ -332,7 +342,7 @@ class OffloadingManager:
     def _drop(self, key: OffloadKey, *, removed_event: bool) -> None:
         """Free a row whose key the policy has already forgotten."""
         row = self._rows.pop(key)
-        self._allocators[key_group(key)].free([row.slot])
+        self._allocators[row.group].free([row.slot])
         if not (removed_event and row.ready):
             return
         if key in self._events.stored:  # stored and removed since the last drain: never seen
@@ -341,9 +351,12 @@ class OffloadingManager:
             self._events.removed[key] = None
 
     def _evictable(self, protected: set[OffloadKey], *, clean_only: bool) -> Callable[[object], bool]:
+        """Whether a row may go: readable, not pinned or read, not protected by the call or the step."""
+        step_hits = self._step_hits
+
         def evictable(key: object) -> bool:
             row = self._rows[key]  # type: ignore[index]
-            if not row.ready or row.pins or row.readers or key in protected:
+            if not row.ready or row.pins or row.readers or key in protected or key in step_hits:
                 return False
             return not (clean_only and row.dirty)
 
@@ -385,7 +398,7 @@ class OffloadingManager:
         group = self._group(key)
         wanted = [0] * self.num_groups
         wanted[group] = 1
-        if self._make_room(wanted, protected=self._step_hits | {key}) is None:
+        if self._make_room(wanted, protected={key}) is None:
             return False
         allocated = self._allocators[group].allocate(1)
         assert allocated is not None, "eviction freed too few slots"
@@ -393,8 +406,8 @@ class OffloadingManager:
         if self.lower.get(tier, [(key, self._host_row(group, slot))]) is None:
             self._allocators[group].free([slot])
             return False
-        self._rows[key] = _Row(slot)
-        self._policies[group].on_insert(key)
+        self._rows[key] = _Row(group, slot)
+        self._policies[group].on_insert(key, self._last_lookup.get(group))
         return True
 
     def _finish_promotion(self, result: OpResult) -> None:
@@ -410,10 +423,10 @@ class OffloadingManager:
                 self.lower.stats.promotions_done += 1
                 continue
             self.lower.stats.promotions_failed += 1
-            self._policies[key_group(key)].on_remove(key)
+            self._policies[row.group].on_remove(key)
             if result.abandoned:  # the tier may still write into the slot: never reuse it
                 del self._rows[key]
-                self._quarantine.append((key_group(key), row.slot))
+                self._quarantine.append((row.group, row.slot))
                 self.stats.quarantined_slots += 1
             else:
                 self._drop(key, removed_event=False)
@@ -429,7 +442,7 @@ class OffloadingManager:
             for tier in targets:
                 by_tier.setdefault(tier, []).append(key)
         for tier, tier_keys in by_tier.items():
-            rows = [(bytes(k), self._host_row(key_group(k), self._rows[k].slot)) for k in tier_keys]
+            rows = [(bytes(k), self._host_row(self._rows[k].group, self._rows[k].slot)) for k in tier_keys]
             if self.lower.put(tier, rows) is None:
                 continue  # saturated: write-back rows stay dirty and are retried later
             for key in tier_keys:

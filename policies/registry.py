@@ -3,6 +3,14 @@
 ``make_policy("lru", capacity)`` or ``make_policy("my_pkg.policies:MyPolicy", capacity,
 alpha=0.5)``. Every failure is a ``ValueError`` that names the policy and what is wrong, so
 the configuration layer can report the key and value at fault.
+
+Built-in names: ``lru``, ``slru``, ``arc``, ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
+``cost`` (alias ``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself). Any
+of them, or a module path, wrapped in prefix-aware eviction
+(``policies.prefix_aware.PrefixAware``): ``"prefix:<name>"``, e.g. ``"prefix:arc"`` or
+``"prefix:my_pkg.policies:MyPolicy"``. The parameters go to the inner policy, except
+``search_limit`` and ``inherit``, which are the wrapper's. The name ``prefix`` is therefore
+reserved: a user module called ``prefix`` cannot be given as ``prefix:Class``.
 """
 
 from __future__ import annotations
@@ -11,12 +19,20 @@ import importlib
 import inspect
 from typing import Any
 
+from policies.arc import ARCPolicy
 from policies.base import EvictionPolicy
+from policies.cost_aware import CostAwarePolicy
+from policies.hit_density import HitDensityPolicy
 from policies.lru import LRUPolicy
+from policies.prefix_aware import PrefixAware
+from policies.s3fifo import S3FIFOPolicy
+from policies.slru import SLRUPolicy
+from policies.tinylfu import TinyLFUPolicy
 
-_BUILTIN: dict[str, type[EvictionPolicy]] = {
-    LRUPolicy.name: LRUPolicy,
-}
+_CLASSES = (LRUPolicy, SLRUPolicy, ARCPolicy, S3FIFOPolicy, TinyLFUPolicy, CostAwarePolicy, HitDensityPolicy)
+_BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in _CLASSES}
+_ALIASES = {"w-tinylfu": TinyLFUPolicy.name, "cost-aware": CostAwarePolicy.name}
+PREFIX = "prefix:"
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -28,16 +44,19 @@ def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
 
 
 def policy_names() -> list[str]:
-    """The names accepted by ``make_policy`` besides module paths."""
-    return sorted(_BUILTIN)
+    """The names accepted by ``make_policy`` besides module paths (and ``prefix:`` forms)."""
+    return sorted([*_BUILTIN, *_ALIASES])
 
 
 def resolve_policy(name: str) -> type[EvictionPolicy]:
     """The class behind a built-in name or a ``module.path:ClassName`` / ``module.path.ClassName``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"eviction policy must be a non-empty string, got {name!r}")
+    name = _ALIASES.get(name, name)
     if name in _BUILTIN:
         return _BUILTIN[name]
+    if name.startswith(PREFIX):
+        raise ValueError(f"eviction policy {name!r}: a prefix-aware policy is built by make_policy")
     module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name or not attr:
         raise ValueError(
@@ -55,10 +74,26 @@ def resolve_policy(name: str) -> type[EvictionPolicy]:
 
 
 def make_policy(name: str, capacity: int, **params: Any) -> EvictionPolicy:
-    """Build a policy for a tier of ``capacity`` rows; unknown parameters are errors."""
+    """Build a policy for a tier of ``capacity`` rows; unknown parameters are errors.
+
+    A bad value (a fraction out of range, a negative weight) is a ``ValueError`` naming the
+    policy as well: the policy's own check, re-raised with the name in front.
+    """
+    if isinstance(name, str) and name.startswith(PREFIX):
+        wrapper_params = {k: params.pop(k) for k in ("search_limit", "inherit") if k in params}
+        inner = make_policy(name[len(PREFIX) :], capacity, **params)
+        try:
+            return PrefixAware(inner, **wrapper_params)
+        except ValueError as exc:
+            raise ValueError(f"eviction policy {name!r}: {exc}") from exc
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"eviction policy {name!r}: capacity must be a positive row count, got {capacity!r}")
     cls = resolve_policy(name)
     try:
         inspect.signature(cls).bind(capacity, **params)
     except TypeError as exc:
         raise ValueError(f"eviction policy {name!r}: bad parameters {params}: {exc}") from exc
-    return cls(capacity, **params)
+    try:
+        return cls(capacity, **params)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"eviction policy {name!r}: {exc}") from exc

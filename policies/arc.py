@@ -1,0 +1,139 @@
+"""ARC (Megiddo and Modha, FAST'03), driven by the owner instead of by a request stream.
+
+ARC balances recency against frequency by remembering recently evicted keys (ghosts): a
+miss on a key evicted from the recency list says that list was too small, a miss on one
+evicted from the frequency list says the opposite. Here a "miss" is what the owner reports
+as ``on_insert`` (the block was recomputed and stored again), which is the only moment a
+tier learns that one of its past victims was wanted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+
+
+class ARCPolicy(EvictionPolicy):
+    """T1 (seen once), T2 (seen again), their ghosts B1 and B2, and the T1 target ``p``.
+
+    - insert: a key in B1 raises ``p`` (recency wanted more room) and enters T2, a key in
+      B2 lowers ``p`` and enters T2, any other key enters T1.
+    - hit: T1 -> T2, or to T2's most recent end.
+    - evict: from T1 while ``|T1| > p`` (else T2), falling back to the other list when the
+      chosen one has nothing evictable; victims become ghosts.
+    - ghosts: after each eviction ``|T1| + |B1| <= capacity`` and all four lists together
+      ``<= 2 * capacity``, the bounds of the original algorithm (only an eviction adds
+      ghosts, so that is where they are trimmed): ghost memory is at most ``2 * capacity``.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.p = 0.0
+        self._t1: OrderedDict[Key, None] = OrderedDict()
+        self._t2: OrderedDict[Key, None] = OrderedDict()
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
+
+    def on_insert(self, key: Key, parent: Key | None = None) -> None:
+        if key in self._b1:
+            self.p = min(float(self.capacity), self.p + max(1.0, len(self._b2) / len(self._b1)))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(1.0, len(self._b1) / len(self._b2)))
+            del self._b2[key]
+            self._t2[key] = None
+        elif key in self._t1 or key in self._t2:
+            self.on_access(key)
+        else:
+            self._t1[key] = None
+
+    def on_access(self, key: Key) -> None:
+        if key in self._t2:
+            self._t2.move_to_end(key)
+        elif key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+
+    def on_remove(self, key: Key) -> None:
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            self._t2.pop(key, None)
+
+    def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
+        if n <= 0:
+            return []
+        # Choose all victims before changing anything (all-or-nothing); each list is walked
+        # once, from its least recent end, so a batch costs O(n + skipped pinned keys).
+        t1, t2 = self._t1, self._t2
+        t1_iter, t2_iter = iter(t1), iter(t2)
+        t1_left = len(t1)
+        p = self.p
+        from_t1: list[Key] = []
+        from_t2: list[Key] = []
+        chosen: list[Key] = []
+        for _ in range(n):
+            first, second = (t1_iter, t2_iter) if t1_left > p else (t2_iter, t1_iter)
+            key = _next_evictable(first, evictable)
+            if key is None:
+                first = second
+                key = _next_evictable(first, evictable)
+                if key is None:
+                    return None
+            if first is t1_iter:
+                t1_left -= 1
+                from_t1.append(key)
+            else:
+                from_t2.append(key)
+            chosen.append(key)
+        b1, b2 = self._b1, self._b2
+        for key in from_t1:
+            del t1[key]
+            b1[key] = None
+        for key in from_t2:
+            del t2[key]
+            b2[key] = None
+        self._trim_ghosts()
+        return chosen
+
+    def _trim_ghosts(self) -> None:
+        b1, b2 = self._b1, self._b2
+        resident_t1 = len(self._t1)
+        for _ in range(min(len(b1), resident_t1 + len(b1) - self.capacity)):
+            b1.popitem(last=False)
+        resident = resident_t1 + len(self._t2)
+        for _ in range(min(len(b2), resident + len(b1) + len(b2) - 2 * self.capacity)):
+            b2.popitem(last=False)
+        for _ in range(min(len(b1), resident + len(b1) + len(b2) - 2 * self.capacity)):
+            b1.popitem(last=False)
+
+    def ghost_count(self) -> int:
+        """Keys remembered after eviction (B1 and B2); bounded by ``2 * capacity``."""
+        return len(self._b1) + len(self._b2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __iter__(self) -> Iterator[Key]:
+        yield from self._t1
+        yield from self._t2
+
+    def clear(self) -> None:
+        for part in (self._t1, self._t2, self._b1, self._b2):
+            part.clear()
+        self.p = 0.0
+
+
+def _next_evictable(keys: Iterator[Key], evictable: Evictable) -> Key | None:
+    for key in keys:
+        if evictable(key):
+            return key
+    return None

@@ -1,0 +1,88 @@
+"""Segmented LRU: a key must be hit once after it is stored before it is protected.
+
+A KV block stored once and never read again (most blocks of a production chat trace) only
+ever sits in the probation segment, so a burst of such blocks cannot push out the blocks
+that were actually reused, which plain LRU lets happen.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+
+
+class SLRUPolicy(EvictionPolicy):
+    """Two LRU segments: probation (new keys) and protected (keys hit since they arrived).
+
+    A hit in probation promotes the key to protected; when protected outgrows its share
+    of the capacity its least recent key is demoted back to probation (most recent end),
+    so it gets one more chance before it leaves. Eviction takes probation's least recent
+    keys first, then protected's. Every operation is an ``OrderedDict`` move: O(1).
+    """
+
+    name = "slru"
+
+    def __init__(self, capacity: int, protected_fraction: float = 0.8) -> None:
+        super().__init__(capacity)
+        if not 0.0 <= protected_fraction < 1.0:
+            raise ValueError(f"slru: protected_fraction must be in [0, 1), got {protected_fraction!r}")
+        self.protected_fraction = protected_fraction
+        self._protected_cap = int(capacity * protected_fraction)
+        self._probation: OrderedDict[Key, None] = OrderedDict()
+        self._protected: OrderedDict[Key, None] = OrderedDict()
+
+    def on_insert(self, key: Key, parent: Key | None = None) -> None:
+        if key in self._probation or key in self._protected:
+            self.on_access(key)
+            return
+        self._probation[key] = None
+
+    def on_access(self, key: Key) -> None:
+        if key in self._protected:
+            self._protected.move_to_end(key)
+        elif key in self._probation:
+            del self._probation[key]
+            self._protected[key] = None
+            if len(self._protected) > self._protected_cap:
+                demoted, _ = self._protected.popitem(last=False)
+                self._probation[demoted] = None
+
+    def on_remove(self, key: Key) -> None:
+        if key in self._probation:
+            del self._probation[key]
+        else:
+            self._protected.pop(key, None)
+
+    def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
+        if n <= 0:
+            return []
+        chosen: list[Key] = []
+        for segment in (self._probation, self._protected):
+            for key in segment:
+                if evictable(key):
+                    chosen.append(key)
+                    if len(chosen) == n:
+                        break
+            if len(chosen) == n:
+                break
+        if len(chosen) < n:
+            return None
+        for key in chosen:
+            self.on_remove(key)
+        return chosen
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._probation or key in self._protected
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __iter__(self) -> Iterator[Key]:
+        yield from self._probation
+        yield from self._protected
+
+    def clear(self) -> None:
+        self._probation.clear()
+        self._protected.clear()

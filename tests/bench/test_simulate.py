@@ -1,0 +1,152 @@
+"""The trace generators, the JSONL loader, the simulator and its offline optimum."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from bench import traces
+from bench.policy import main
+from bench.simulate import TierSpec, device_prefix_hits, opt_hits, simulate
+from bench.traces import REAL_TRACE, Request, iter_jsonl, load_jsonl, trace_stats
+
+POLICIES = ["lru", "slru", "arc", "s3fifo", "tinylfu", "cost", "prefix:lru", "prefix:arc", "prefix:tinylfu"]
+
+
+def small_traces(seed: int) -> dict[str, list[Request]]:
+    return {
+        "multi-turn": traces.multi_turn(seed=seed, sessions=150),
+        "long-doc-qa": traces.long_doc_qa(seed=seed, documents=6, doc_blocks=(20, 60), questions=150),
+        "agentic": traces.agentic(seed=seed, tasks=25),
+        "scan-mix": traces.scan_mix(seed=seed, requests=300, hot_prefixes=20, scan_blocks=(20, 80)),
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_opt_bounds_every_policy_and_every_chain(seed: int) -> None:
+    for name, trace in small_traces(seed).items():
+        distinct = trace_stats(trace)["distinct"]
+        device, host = max(1, distinct // 50), max(2, distinct // 10)
+        hits = device_prefix_hits(trace, device)
+        accesses = sum(len(r.keys) for r in trace)
+        opt = opt_hits(trace, host, hits)
+        results = {p: simulate(trace, [TierSpec("host", host, p)], device, hits) for p in POLICIES}
+        for policy, result in results.items():
+            assert sum(result.tier_hits) <= opt, (name, policy)
+        assert opt > 0 and opt >= max(sum(r.tier_hits) for r in results.values()), name
+        assert opt <= accesses - sum(hits)
+        chain = simulate(
+            trace,
+            [
+                TierSpec("host", host, "arc", placement={"write": "back"}),
+                TierSpec("disk", 3 * host, "lru", placement={"write": "none", "admit": "seen-twice"}),
+            ],
+            device,
+            hits,
+        )
+        assert sum(chain.tier_hits) <= opt_hits(trace, 4 * host, hits), name
+
+
+def test_opt_is_belady_on_a_small_case() -> None:
+    # One slot, no device: a, b, a, b, ... Belady keeps one of them; LRU thrashes.
+    trace = [Request(t, (k,)) for t, k in enumerate([1, 2, 1, 2, 1, 2])]
+    hits = device_prefix_hits(trace, 0)
+    assert opt_hits(trace, 1, hits) == 2
+    assert sum(simulate(trace, [TierSpec("host", 1, "lru")], 0, hits).tier_hits) == 0
+    # A block the device serves is offered, not demanded: holding it below earns nothing.
+    trace = [Request(0, (1, 2)), Request(1, (1, 2)), Request(2, (1, 3))]
+    assert device_prefix_hits(trace, 10) == [0, 2, 1]
+    assert opt_hits(trace, 5, device_prefix_hits(trace, 10)) == 0
+
+
+def test_device_cache_is_an_lru_of_blocks_serving_prefixes() -> None:
+    trace = [Request(0, (1, 2, 3)), Request(1, (1, 2, 4)), Request(2, (5, 6)), Request(3, (1, 2, 3))]
+    # Capacity 4: after request 2 the device holds 5, 6 (newest), 1, 2; 3 and 4 are gone.
+    assert device_prefix_hits(trace, 4) == [0, 2, 0, 2]
+    assert device_prefix_hits(trace, 0) == [0, 0, 0, 0]
+
+
+def test_tiers_serve_the_run_after_the_device_and_write_back_spills_down() -> None:
+    first = [Request(i, (100 + i, 200 + i)) for i in range(6)]
+    trace = first + [Request(6 + i, r.keys) for i, r in enumerate(reversed(first))]
+    hits = device_prefix_hits(trace, 0)
+    host_only = simulate(trace, [TierSpec("host", 4, "lru")], 0, hits)
+    assert host_only.tier_hits == [4]  # only the last two requests' blocks are still in the host tier
+    chain = simulate(
+        trace,
+        [TierSpec("host", 4, "lru", placement={"write": "back"}), TierSpec("disk", 20, "lru")],
+        0,
+        hits,
+    )
+    assert chain.tier_hits[0] + chain.tier_hits[1] == 12  # nothing is lost: the disk holds the rest
+    assert chain.tier_hits[1] > 0
+    assert chain.total_hit_ratio == pytest.approx(1.0 * 12 / 24)
+
+
+def test_generators_are_deterministic_from_their_seed() -> None:
+    for name in traces.GENERATORS:
+        a, b = traces.generate(name, seed=3), traces.generate(name, seed=3)
+        assert a == b and len(a) > 100
+        assert traces.generate(name, seed=4) != a
+        assert all(x.timestamp <= y.timestamp for x, y in itertools.pairwise(a))
+    with pytest.raises(ValueError, match="unknown trace"):
+        traces.generate("nope")
+
+
+def test_generated_keys_are_prefix_chained() -> None:
+    """A key names its whole prefix: wherever it appears, the key before it is the same."""
+    for trace in small_traces(0).values():
+        parent: dict[int, int | None] = {}
+        for request in trace:
+            for i, key in enumerate(request.keys):
+                assert parent.setdefault(key, request.keys[i - 1] if i else None) == (
+                    request.keys[i - 1] if i else None
+                )
+                assert len(set(request.keys)) == len(request.keys)
+
+
+def test_jsonl_loader_reads_the_production_format(tmp_path) -> None:
+    path = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 30, "input_length": 1500, "output_length": 7, "hash_ids": [0, 3, 4]},
+        {"timestamp": 10, "input_length": 900, "output_length": 2, "hash_ids": [0, 1]},
+        {"timestamp": 20, "hash_ids": [0, 1, 2]},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    loaded = load_jsonl(path)
+    assert [r.keys for r in loaded] == [(0, 1), (0, 1, 2), (0, 3, 4)]  # arrival order
+    assert [r.timestamp for r in loaded] == [10.0, 20.0, 30.0]
+    assert trace_stats(loaded) == {"requests": 3, "accesses": 8, "distinct": 5, "infinite_hit_ratio": 3 / 8}
+    assert [r.keys for r in load_jsonl(path, fraction=0.34)] == [(0, 1)]
+    with pytest.raises(ValueError, match="fraction"):
+        load_jsonl(path, fraction=0)
+    path.write_text('{"timestamp": 1, "hash_ids": [1]}\n{"timestamp": 2}\n')
+    with pytest.raises(ValueError, match=r"trace.jsonl:2"):
+        load_jsonl(path)
+
+
+@pytest.mark.skipif(not REAL_TRACE.exists(), reason="the production trace is not checked out beside main")
+def test_the_first_lines_of_the_production_trace_load_and_replay() -> None:
+    head = list(itertools.islice(iter_jsonl(REAL_TRACE), 300))
+    assert len(head) == 300 and all(r.keys and r.keys[0] == 0 for r in head)
+    stats = trace_stats(head)
+    assert 0 < stats["infinite_hit_ratio"] < 1
+    hits = device_prefix_hits(head, 20)
+    result = simulate(head, [TierSpec("host", 3_000, "prefix:arc")], 20, hits)
+    assert 0 < sum(result.tier_hits) <= opt_hits(head, 3_000, hits)
+
+
+def test_benchmark_runs_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "policy.json"
+    argv = ["--traces", "scan-mix", "--policies", "lru,arc", "--no-vllm", "--no-throughput"]
+    assert main([*argv, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    report = figures["traces"]["scan-mix"]
+    assert set(report["policies"]) == {"lru", "arc"}
+    assert all(0 <= v <= report["opt"] for v in report["policies"].values())
+    printed = capsys.readouterr().out
+    assert "kvtier bench policy --traces scan-mix" in printed and "OPT (Belady)" in printed
+    with pytest.raises(SystemExit):
+        main(["--trace-fraction", "0"])

@@ -1,0 +1,142 @@
+"""Invariants every eviction policy keeps, driven the way a tier drives it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies import make_policy
+from policies.base import EvictionPolicy
+from tests.policies.conftest import ALL_POLICIES
+
+
+def drive(policy: EvictionPolicy, steps: int, seed: int, pinned: set[int] | None = None) -> set[int]:
+    """An owner: inserts runs of chained keys, hits some, evicts when full, sometimes drops an
+    unpinned key itself. Returns the keys it holds at the end."""
+    rng = random.Random(seed)
+    resident: set[int] = set()
+    pinned = pinned or set()
+    next_key = 0
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.5 or not resident:
+            parent = rng.choice(sorted(resident)) if resident and rng.random() < 0.7 else None
+            run = list(range(next_key, next_key + rng.randint(1, 4)))
+            next_key += len(run)
+            need = len(resident) + len(run) - policy.capacity
+            if need > 0:
+                victims = policy.evict(need, lambda k: k not in pinned)
+                if victims is None:
+                    continue
+                assert len(victims) == need == len(set(victims))
+                assert set(victims) <= resident, "evicted a key that was not resident"
+                assert not set(victims) & pinned, "evicted a pinned key"
+                resident -= set(victims)
+            policy.on_insert_run(run, parent)
+            resident |= set(run)
+        elif op < 0.9:
+            policy.on_access(rng.choice(sorted(resident)))
+        elif resident - pinned:
+            key = rng.choice(sorted(resident - pinned))  # an owner never drops a pinned row
+            policy.on_remove(key)
+            resident.discard(key)
+        assert len(policy) == len(resident) <= policy.capacity
+    return resident
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_capacity_membership_and_iteration_agree_with_the_owner(name: str) -> None:
+    policy = make_policy(name, 16)
+    resident = drive(policy, 600, seed=1)
+    assert set(policy) == resident
+    assert len(list(policy)) == len(resident)
+    assert all(key in policy for key in resident)
+    assert 10**9 not in policy
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_pinned_keys_are_never_evicted(name: str) -> None:
+    policy = make_policy(name, 12)
+    pinned = {0, 1, 2, 5, 8}  # the first insertions: all of them are stored early
+    resident = drive(policy, 500, seed=2, pinned=pinned)
+    # drive() checks every eviction too; the pinned keys outlive ~500 others.
+    assert pinned <= resident
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_evict_is_all_or_nothing(name: str) -> None:
+    policy = make_policy(name, 10)
+    policy.on_insert_run(list(range(10)))
+    for key in (3, 4, 4, 7):
+        policy.on_access(key)
+    before = list(policy)
+    # Only three keys may go: asking for four changes nothing.
+    allowed = {0, 5, 9}
+    assert policy.evict(4, lambda k: k in allowed) is None
+    assert list(policy) == before
+    victims = policy.evict(3, lambda k: k in allowed)
+    assert victims is not None and sorted(victims) == [0, 5, 9]
+    assert set(policy) == set(range(10)) - allowed
+    assert policy.evict(0) == []
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_clear_forgets_everything(name: str) -> None:
+    policy = make_policy(name, 8)
+    drive(policy, 100, seed=3)
+    policy.clear()
+    assert len(policy) == 0 and list(policy) == []
+    assert policy.evict(1) is None
+
+
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "cost"])
+def test_ghosts_stay_bounded(name: str) -> None:
+    capacity = 20
+    policy = make_policy(name, capacity)
+    rng = random.Random(4)
+    for step in range(5_000):
+        key = rng.randrange(400) if rng.random() < 0.5 else 1_000 + step  # reuse and scans
+        if key in policy:
+            policy.on_access(key)
+            continue
+        if len(policy) >= capacity:
+            assert policy.evict(1) is not None
+        policy.on_insert(key)
+        bound = 2 * capacity if name == "arc" else capacity
+        assert policy.ghost_count() <= bound  # type: ignore[attr-defined]
+
+
+def test_tinylfu_sketch_memory_is_fixed_by_capacity() -> None:
+    policy = make_policy("tinylfu", 64)
+    cells = policy.sketch.memory_cells  # type: ignore[attr-defined]
+    for key in range(50_000):
+        if len(policy) >= 64:
+            policy.evict(1)
+        policy.on_insert(key)
+    assert policy.sketch.memory_cells == cells <= 64 * 64  # type: ignore[attr-defined]
+
+
+def test_scan_resistant_policies_keep_a_hot_set_through_a_scan() -> None:
+    """A one-off scan larger than the cache must not flush keys that are hit again and again."""
+    for name in ("slru", "arc", "s3fifo", "tinylfu"):
+        policy = make_policy(name, 50)
+        hot = list(range(20))
+
+        def use(key: int, policy: EvictionPolicy = policy) -> None:
+            if key in policy:
+                policy.on_access(key)
+                return
+            if len(policy) >= policy.capacity:
+                policy.evict(1)
+            policy.on_insert(key)
+
+        for _ in range(5):
+            for key in hot:
+                use(key)
+        for key in range(1_000, 1_200):
+            use(key)
+            if key % 10 == 0:
+                for h in hot:
+                    use(h)
+        assert sum(key in policy for key in hot) >= 15, name
