@@ -238,7 +238,7 @@ class OffloadingManager:
 
         for key in new_keys:
             self._rows[key] = _Row(wanted_group[key], slots[key])
-        for group, run, parent in _new_runs(keys, set(new_keys)):
+        for group, run, parent in _new_runs(keys, wanted_group):
             self._policies[group].on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
         return PrepareStoreOutput(new_keys, HostSlots(new_keys, [slots[k] for k in new_keys]), evicted)
@@ -487,9 +487,9 @@ class OffloadingManager:
 
 
 def _new_runs(
-    keys: Sequence[OffloadKey], new: set[OffloadKey]
+    keys: Sequence[OffloadKey], new: dict[OffloadKey, int]
 ) -> list[tuple[int, list[OffloadKey], OffloadKey | None]]:
-    """Maximal runs of new keys that follow each other in one group's prefix order.
+    """Maximal runs of new keys (``new``: key -> group) that follow each other in one group's prefix order.
 
     ``(group, run, parent)``: ``parent`` is the key just before the run in the same group
     (already stored) or ``None`` at the start of the call. Policies take a run at once so
@@ -499,14 +499,16 @@ def _new_runs(
     open_runs: dict[int, tuple[list[OffloadKey], OffloadKey | None]] = {}
     previous: dict[int, OffloadKey] = {}
     for key in dict.fromkeys(keys):
-        group = key_group(key)
-        if key in new:
+        group = new.get(key)
+        if group is not None:
             if group not in open_runs:
                 open_runs[group] = ([], previous.get(group))
             open_runs[group][0].append(key)
-        elif group in open_runs:
-            run, parent = open_runs.pop(group)
-            runs.append((group, run, parent))
+        else:
+            group = key_group(key)
+            if group in open_runs:
+                run, parent = open_runs.pop(group)
+                runs.append((group, run, parent))
         previous[group] = key
     runs.extend((group, run, parent) for group, (run, parent) in open_runs.items())
     return runs

@@ -1,0 +1,313 @@
+"""``kvtier bench remote``: put and get GB/s through a ``kvtier peer``, against raw NIXL.
+
+One peer process (started here, with a token) and one raw NIXL target process (an agent
+with a registered buffer, nothing else) run on this machine. The same host rows
+(Llama-3-8B-shaped blocks: 2 MiB by default) move four ways, interleaved in every repeat
+so drift hits all alike:
+
+- raw WRITE / raw READ: one NIXL request from an agent in this process to the raw target,
+  one descriptor per row: the cost of the bytes alone.
+- ``RemoteTier.put`` / ``RemoteTier.get``: the whole tier (routing, control messages,
+  checksums, verification, leases), into and out of the peer's pool.
+
+Reported: GB/s of each, ``put_ratio`` and ``get_ratio`` (tier over raw, target >= 0.8), and
+descriptors per NIXL transfer. Every get is checked byte for byte against what was put.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import platform
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import uvloop
+
+from tiers.fast_checksum import checksum_at
+from tiers.nixl_agent import create_agent, descriptors
+from tiers.remote import RemoteTier
+from tiers.sizes import parse_size
+
+TARGET = 0.8
+ALIGN = 2 << 20
+_STARTUP_S = 30.0
+
+
+def aligned_zeros(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """Zeroed bytes starting at a multiple of ``align``, every page faulted in.
+
+    Alignment matters: a CMA copy between buffers that differ in alignment mod 64 runs at
+    about half speed (measured here), and torch allocations (the host tier) are aligned, so
+    both the host rows and the raw target are aligned like the peer's slots.
+    """
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    out = raw[start : start + nbytes]
+    out[::4096] = 0
+    return out
+
+
+def serve_raw_target(capacity: int) -> int:
+    """The baseline's far end: register a buffer, say where it is, let the transport wire up."""
+    agent = create_agent(f"kvtier-bench-raw-{os.getpid()}")
+    memory = aligned_zeros(capacity)
+    agent.register_memory([(memory.ctypes.data, memory.nbytes, 0, "")], "DRAM")
+    sys.stdout.write(f"{memory.ctypes.data} {agent.get_agent_metadata().hex()}\n")
+    sys.stdout.flush()
+    while True:  # until the benchmark closes our stdin
+        agent.get_new_notifs()
+        readable, _, _ = select.select([sys.stdin], [], [], 0.001)
+        if readable and not sys.stdin.readline():
+            return 0
+
+
+_PRCTL = ctypes.CDLL(None).prctl  # resolved here: the child, after fork, only calls it
+
+
+def _die_with_parent() -> None:
+    """In a child: be killed when the benchmark dies, however it dies."""
+    _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        preexec_fn=_die_with_parent,
+    )
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], _STARTUP_S)
+    line = proc.stdout.readline() if readable else ""
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"{' '.join(args[:3])} did not start")
+    return proc, line.strip()
+
+
+class RawBaseline:
+    """An agent in this process moving the same rows to the raw target in one request."""
+
+    def __init__(self, host: np.ndarray, target_line: str) -> None:
+        addr, metadata = target_line.split()
+        self.agent = create_agent(f"kvtier-bench-raw-client-{os.getpid()}")
+        self.agent.register_memory([(host.ctypes.data, host.nbytes, 0, "")], "DRAM")
+        self.remote_name = self.agent.add_remote_agent(bytes.fromhex(metadata))
+        self.remote_addr = int(addr)
+
+    def move(self, op: str, local_addrs: list[int], row_bytes: int) -> None:
+        lengths = [row_bytes] * len(local_addrs)
+        remote_addrs = [self.remote_addr + i * row_bytes for i in range(len(local_addrs))]
+        handle = self.agent.initialize_xfer(
+            op,
+            self.agent.get_xfer_descs(descriptors(local_addrs, lengths), "DRAM"),
+            self.agent.get_xfer_descs(descriptors(remote_addrs, lengths), "DRAM"),
+            self.remote_name,
+        )
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(handle)
+        handle.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw {op} failed: {state}")
+
+
+def _ceiling(raw_gbps: float, checksum_gbps: float) -> float:
+    """The best ratio a tier that checksums every row can reach if hashing and copying do not
+    overlap (on this 2-core machine they do not: both are bound by the same core and memory)."""
+    return (1 / raw_gbps) / (1 / raw_gbps + 1 / checksum_gbps)
+
+
+async def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    result = fn()
+    if asyncio.iscoroutine(result):
+        result = await result
+    elapsed = time.perf_counter() - start
+    if isinstance(result, list) and not all(result):
+        raise RuntimeError(f"{sum(not r for r in result)} of {len(result)} rows failed")
+    return elapsed
+
+
+async def measure(args: argparse.Namespace, workdir: Path) -> dict:
+    rows, row_bytes = args.rows, args.row_bytes
+    env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
+    token_file = workdir / "token"
+    token_file.write_bytes(os.urandom(32).hex().encode())
+    pool_bytes = 3 * rows * row_bytes  # room for three repeats; older ones are evicted (LRU)
+    peer, ready = _spawn(
+        [
+            "-m",
+            "tiers.peer_server",
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            str(pool_bytes),
+            "--row-bytes",
+            str(row_bytes),
+            "--token-file",
+            str(token_file),
+        ],
+        env,
+    )
+    raw_target, raw_line = _spawn(["-m", "bench.remote", "--raw-target", str(rows * row_bytes)], env)
+    tier = None
+    try:
+        address = ready.split()[4].rstrip(":")
+        host = aligned_zeros(2 * rows * row_bytes)
+        src, dst = host[: rows * row_bytes], host[rows * row_bytes :]
+        src[:] = np.random.default_rng(args.seed).integers(0, 256, src.nbytes, dtype=np.uint8)
+        view = memoryview(host)
+        src_rows = [view[i * row_bytes : (i + 1) * row_bytes] for i in range(rows)]
+        dst_rows = [view[(rows + i) * row_bytes : (rows + i + 1) * row_bytes] for i in range(rows)]
+        src_addrs = [host.ctypes.data + i * row_bytes for i in range(rows)]
+        dst_addrs = [a + rows * row_bytes for a in src_addrs]
+        tier = RemoteTier(
+            [address],
+            namespace=os.urandom(16),
+            layout_id=b"bench-remote-v1\0",
+            token=token_file.read_bytes().strip(),
+            transfer_bytes=args.transfer_bytes,
+        )
+        await tier.open(view)
+        if not tier.peers_up():
+            raise RuntimeError(f"peer {address} is not reachable")
+        raw = RawBaseline(host, raw_line)
+
+        def keys(repeat: int) -> list[bytes]:
+            return [repeat.to_bytes(4, "big") + i.to_bytes(28, "big") + bytes(4) for i in range(rows)]
+
+        def checksum_all() -> None:
+            for view, addr in zip(src_rows, src_addrs, strict=True):
+                checksum_at(view, addr)
+
+        times: dict[str, list[float]] = {
+            "raw_write": [],
+            "put": [],
+            "raw_read": [],
+            "get": [],
+            "checksum": [],
+        }
+        before = dict(tier.stats())
+        for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
+            batch = keys(repeat)
+            round_times = {
+                "raw_write": await _timed(lambda: raw.move("WRITE", src_addrs, row_bytes)),
+                "put": await _timed(lambda b=batch: tier.put(list(zip(b, src_rows, strict=True)))),
+            }
+            dst.fill(0)
+            round_times["raw_read"] = await _timed(lambda: raw.move("READ", dst_addrs, row_bytes))
+            if not np.array_equal(src, dst):
+                raise RuntimeError("raw READ did not return the bytes written")
+            dst.fill(0)
+            round_times["get"] = await _timed(lambda b=batch: tier.get(list(zip(b, dst_rows, strict=True))))
+            round_times["checksum"] = await _timed(checksum_all)
+            if not np.array_equal(src, dst):
+                raise RuntimeError("get did not return the bytes put")
+            if repeat == 0:
+                before = dict(tier.stats())
+                continue
+            for name, seconds in round_times.items():
+                times[name].append(seconds)
+        after = tier.stats()
+    finally:
+        if tier is not None:
+            await tier.close()
+        for proc in (peer, raw_target):
+            proc.terminate()
+        for proc in (peer, raw_target):
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    total = rows * row_bytes
+    gbps = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
+    transfers = after["transfers"] - before["transfers"]
+    descs = after["descriptors"] - before["descriptors"]
+    return {
+        "put_gbps": gbps["put"],
+        "get_gbps": gbps["get"],
+        "raw_write_gbps": gbps["raw_write"],
+        "raw_read_gbps": gbps["raw_read"],
+        "put_ratio": gbps["put"] / gbps["raw_write"],
+        "get_ratio": gbps["get"] / gbps["raw_read"],
+        "checksum_gbps": gbps["checksum"],
+        "put_ceiling": _ceiling(gbps["raw_write"], gbps["checksum"]),
+        "get_ceiling": _ceiling(gbps["raw_read"], gbps["checksum"]),
+        "descriptors_per_transfer": descs / transfers if transfers else 0.0,
+        "transfers_per_op": transfers / (2 * args.repeats),
+        "raw_descriptors_per_transfer": rows,
+        "row_bytes": row_bytes,
+        "rows_per_op": rows,
+        "bytes_per_op": total,
+        "repeats": args.repeats,
+        "verified": True,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier bench remote", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--rows", type=int, default=64, help="rows per put/get (default 64 = 128 MiB)")
+    parser.add_argument("--row-bytes", type=parse_size, default=2 << 20, help="bytes per row (2MiB)")
+    parser.add_argument(
+        "--transfer-bytes",
+        type=parse_size,
+        default=32 << 20,
+        help="the tier's bytes per NIXL request (32MiB)",
+    )
+    parser.add_argument("--repeats", type=int, default=15, help="timed repeats per figure (median)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--raw-target", type=parse_size, metavar="SIZE", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # everything here is on 127.0.0.1
+    if args.raw_target:
+        return serve_raw_target(args.raw_target)
+    command = "kvtier bench remote " + " ".join(sys.argv[3:] if argv is None else argv)
+    print(f"$ {command.strip()}")
+    print(
+        f"{args.rows} rows of {args.row_bytes} B per op, one peer and one raw NIXL target on 127.0.0.1, "
+        f"{os.cpu_count()} cores, {platform.machine()}"
+    )
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-remote-") as workdir:
+        fig = uvloop.run(measure(args, Path(workdir)))
+    print(f"{'op':4} {'tier GB/s':>9} {'raw GB/s':>8} {'ratio':>6} {'target':>6} {'ceiling':>7}")
+    for op, raw in (("put", "raw_write"), ("get", "raw_read")):
+        tier_gbps, ratio, ceiling = (fig[f"{op}_{k}"] for k in ("gbps", "ratio", "ceiling"))
+        print(f"{op:4} {tier_gbps:9.2f} {fig[f'{raw}_gbps']:8.2f} {ratio:6.2f} {TARGET:>6} {ceiling:7.2f}")
+    print(
+        f"xxh3 of the same rows: {fig['checksum_gbps']:.2f} GB/s; ceiling = raw with every row checksummed, "
+        "copy and hash not overlapping"
+    )
+    print(
+        f"descriptors per transfer: tier {fig['descriptors_per_transfer']:.0f} "
+        f"({fig['transfers_per_op']:.1f} transfers per op), raw {fig['raw_descriptors_per_transfer']}"
+    )
+    if args.json:
+        payload = {
+            "command": command.strip(),
+            "baseline": "raw NIXL READ/WRITE of the same rows to a bare agent, one request, same run",
+            "target": TARGET,
+            **fig,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Spill to and promotion from a real ``kvtier peer`` process over NIXL, through ``Offloader``."""
+
+import pytest
+
+from offload.api import Offloader
+from offload.keys import make_key
+from tests.offload.layouts import per_layer_blocks_first, scramble
+from tests.tiers.peer_fixtures import start_peers
+
+pytestmark = pytest.mark.multiprocess
+
+TOKEN = b"integration-secret"
+
+
+def keys_for(prefix: str, n: int) -> list[bytes]:
+    return [make_key(f"{prefix}{i}".encode().ljust(16, b"."), 0) for i in range(n)]
+
+
+@pytest.fixture
+def peer(tmp_path):
+    (process,) = start_peers(tmp_path, 1, capacity="4MiB", row_bytes="4KiB", token=TOKEN)
+    yield process
+    process.close()
+
+
+def config(tmp_path, peer, host_rows: int, row: int, **remote) -> dict:
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    tier = {
+        "kind": "remote",
+        "peers": [peer.address],
+        "capacity": "4MiB",
+        "token_file": str(token_file),
+        "placement": "write-through",
+        "deadline_s": 1.0,
+    }
+    tier.update(remote)
+    return {"tiers": [{"kind": "host", "capacity": host_rows * row}, tier]}
+
+
+def test_a_wrong_token_reads_nothing(tmp_path, peer):
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    cfg = config(tmp_path, peer, 1, row)
+    (tmp_path / "token").write_bytes(b"not-the-secret")
+    keys = keys_for("intruder", 2)
+    with Offloader(kv, groups, cfg) as offloader:
+        offloader.store(keys[:1], [0])
+        offloader.wait()
+        offloader.wait_tiers()
+        assert offloader.store(keys[1:], [1]) is not None
+        offloader.wait()
+        offloader.wait_tiers()
+        stats = offloader.stats()
+        assert stats["lower"]["spills_done"] == 0
+        assert offloader.lookup(keys[:1]) == 0  # evicted from the 1-row host tier, and not below
+        offloader.wait_tiers()
+        assert offloader.lookup(keys[:1]) == 0
+
+
+def test_promotion_from_a_peer_and_a_dead_peer_is_a_miss(tmp_path, peer):
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    keys = keys_for("promo", 4)
+    with Offloader(kv, groups, config(tmp_path, peer, 2, row)) as offloader:
+        originals = [offloader.caches.read_row(0, b) for b in range(4)]
+        for i, key in enumerate(keys):
+            offloader.store([key], [i])
+            offloader.wait()
+            offloader.wait_tiers()
+        assert offloader.lookup(keys[:2]) == 0  # evicted from the 2-row host tier
+        offloader.wait_tiers()
+        assert offloader.lookup(keys[:2]) == 2  # promoted back from the peer
+        scramble(kv)
+        offloader.load(keys[:2], [8, 9])
+        offloader.wait()
+        assert [offloader.caches.read_row(0, b) for b in (8, 9)] == originals[:2]
+
+        peer.kill()
+        device_before = [offloader.caches.read_row(0, b) for b in (10, 11)]
+        assert offloader.lookup(keys[2:]) == 0  # evicted, and their peer is dead
+        offloader.wait_tiers(timeout=10)
+        assert offloader.lookup(keys[2:]) == 0
+        assert offloader.stats()["lower"]["promotions_done"] == 2
+        assert [offloader.caches.read_row(0, b) for b in (10, 11)] == device_before

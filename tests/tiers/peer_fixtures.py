@@ -1,0 +1,243 @@
+"""Real ``kvtier peer`` processes for tests, and a blocking protocol client to poke them with.
+
+Peers listen on 127.0.0.1 with a port of the kernel's choosing (``:0``, read back from the
+ready line), or a given port to restart one in place. Whoever starts a peer must
+``close()`` it (the test modules do it in fixture teardown): ``close`` continues a stopped
+peer and kills it, so no test leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tiers import peer_protocol as proto
+from tiers.remote import RemoteTier
+
+# Peers and clients here talk over 127.0.0.1 only; without this UCX also listens on every
+# other interface of the machine for its wire-up.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 30.0
+LAYOUT = b"test-layout-v1\0\0"
+
+
+_PRCTL = ctypes.CDLL(None).prctl  # resolved here: the child, after fork, only calls it
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child: be killed when the test process dies, even by SIGKILL (no orphan peers)."""
+    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+class PeerProcess:
+    """One ``python -m tiers.peer_server`` child."""
+
+    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
+        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tiers.peer_server", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            preexec_fn=die_with_parent,
+        )
+        self.address = ""
+        self.port = 0
+
+    def wait_ready(self) -> PeerProcess:
+        assert self.proc.stdout is not None
+        readable, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
+        line = self.proc.stdout.readline() if readable else ""
+        if "listening on" not in line:
+            self.close()
+            raise RuntimeError(f"peer did not start: {line!r}\n{self.log()}")
+        self.address = line.split()[4].rstrip(":")
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return self
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+def start_peers(
+    log_dir: Path,
+    n: int = 1,
+    *,
+    capacity: str = "16MiB",
+    row_bytes: str = "64KiB",
+    token: bytes | None = None,
+    port: int = 0,
+    extra: Sequence[str] = (),
+) -> list[PeerProcess]:
+    """Start ``n`` peers at once (they boot in parallel) and wait until all listen."""
+    args = ["--listen", f"127.0.0.1:{port}", "--capacity", capacity, "--row-bytes", row_bytes, *extra]
+    if token is not None:
+        token_path = log_dir / f"token-{os.urandom(4).hex()}"
+        token_path.write_bytes(token + b"\n")
+        args += ["--token-file", str(token_path)]
+    peers = []
+    try:
+        for _ in range(n):
+            peers.append(PeerProcess(args, log_dir / f"peer-{os.urandom(4).hex()}.log"))
+        return [peer.wait_ready() for peer in peers]
+    except BaseException:
+        for peer in peers:
+            peer.close()
+        raise
+
+
+def aligned_buffer(nbytes: int, align: int = 4096) -> np.ndarray:
+    """Host memory for a tier, aligned as torch allocations are (CMA copies prefer it)."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes]
+
+
+def key(n: int, group: int = 0, salt: bytes = b"") -> bytes:
+    """An ``OffloadKey``-shaped key: a 32-byte block hash and a 4-byte big-endian group."""
+    digest = (salt + n.to_bytes(8, "big")).ljust(32, b"\x00")[:32]
+    return digest + group.to_bytes(4, "big")
+
+
+class HostRows:
+    """A host buffer cut into rows of given sizes, with ``src`` rows and ``dst`` rows."""
+
+    def __init__(self, sizes: Sequence[int], seed: int = 0) -> None:
+        self.sizes = list(sizes)
+        total = sum(self.sizes)
+        self.buffer = aligned_buffer(2 * total)
+        rng = np.random.default_rng(seed)
+        self.buffer[:total] = rng.integers(0, 256, total, dtype=np.uint8)
+        view = memoryview(self.buffer)
+        self.src: list[memoryview] = []
+        self.dst: list[memoryview] = []
+        offset = 0
+        for size in self.sizes:
+            self.src.append(view[offset : offset + size])
+            self.dst.append(view[total + offset : total + offset + size])
+            offset += size
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.buffer)
+
+    def clear_dst(self) -> None:
+        self.buffer[sum(self.sizes) :] = 0
+
+    def same(self, i: int) -> bool:
+        return bytes(self.src[i]) == bytes(self.dst[i])
+
+
+@contextlib.asynccontextmanager
+async def open_tier(
+    addresses: Sequence[str], host: memoryview, *, namespace: bytes = b"ns-test-0000000", **kwargs
+) -> AsyncIterator[RemoteTier]:
+    tier = RemoteTier(list(addresses), namespace.ljust(16, b"\x00"), LAYOUT, **kwargs)
+    await tier.open(host)
+    try:
+        yield tier
+    finally:
+        await tier.close()
+
+
+class RawConnection:
+    """A blocking socket that speaks frames, for auth and fuzz tests."""
+
+    def __init__(self, port: int, timeout: float = 2.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _exact(self, n: int) -> bytes | None:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                return None
+            out += chunk
+        return out
+
+    def read_frame(self) -> proto.Frame | None:
+        """The next frame, or ``None`` when the peer closed the connection."""
+        head = self._exact(4)
+        if head is None:
+            return None
+        (length,) = struct.unpack("<I", head)
+        body = self._exact(length)
+        if body is None:
+            return None
+        msg_type, request_id = struct.unpack_from("<BI", body)
+        return proto.Frame(proto.Msg(msg_type), request_id, body[5:])
+
+    def closed_by_peer(self) -> bool:
+        """Whether the peer closed (reads EOF, skipping any frames it sent first)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                if self.read_frame() is None:
+                    return True
+            except (ConnectionResetError, ValueError):
+                return True
+        return False
+
+    def handshake(self, token: bytes | None) -> proto.Welcome | None:
+        """Authenticate; the WELCOME, or ``None`` if the peer closed instead."""
+        challenge = self.read_frame()
+        assert challenge is not None and challenge.type == proto.Msg.CHALLENGE
+        server_nonce = proto.decode_challenge(challenge.payload)
+        client_nonce = os.urandom(proto.NONCE_BYTES)
+        mac = proto.client_mac(token or b"", server_nonce, client_nonce)
+        self.send(proto.encode_frame(proto.Msg.AUTH, 0, proto.encode_auth(client_nonce, mac)))
+        try:
+            frame = self.read_frame()
+        except ConnectionResetError:
+            return None
+        if frame is None:
+            return None
+        assert frame.type == proto.Msg.WELCOME
+        return proto.decode_welcome(frame.payload)

@@ -1,0 +1,286 @@
+"""NIXL agents the way they work on these machines: no progress thread, one thread per agent.
+
+Three measured facts (``NIXL_NOTES.md``) shape this module:
+
+- An agent's own progress thread busy-spins a core; on a 2-core machine that halves
+  bandwidth. Agents here are created with it off, and whoever drives the agent polls.
+- One agent used from several threads crashes in the default sync mode. ``AgentThread``
+  therefore owns its agent and runs *every* call on one thread of its own; the event loop
+  only submits work and awaits futures, so a copy (``transfer()`` over CMA blocks for the
+  whole copy, with the GIL released) never stalls the loop.
+- A stopped or hung peer leaves a transfer in PROC indefinitely, without an error. Every
+  transfer therefore has a deadline; when it passes, the handle is released and the remote
+  agent removed (in that order), and the waiter gets ``TransferTimeout``. Whoever added the
+  remote agent must add it again (from fresh metadata) before using that peer again.
+
+NIXL's Python logger writes INFO lines to stdout; ``NIXL_LOG_LEVEL`` defaults to WARN here,
+before NIXL is imported, so nothing that speaks over stdout is broken by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import numpy as np
+from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_POLL_MAX_SLEEP_S = 1e-3
+
+
+class TransferError(Exception):
+    """A transfer failed (the peer went away, its memory is not registered, ...)."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer missed its deadline; its handle is released and the remote agent removed."""
+
+
+def create_agent(name: str) -> nixl_agent:
+    """A UCX agent with the progress thread off (the caller polls)."""
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+def descriptors(addrs: np.ndarray | list[int], lengths: np.ndarray | list[int]) -> np.ndarray:
+    """An Nx3 ``(address, length, device 0)`` array: the cheapest way to build a descriptor list."""
+    out = np.zeros((len(addrs), 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = lengths
+    return out
+
+
+@dataclass(eq=False)
+class _Call:
+    fn: Callable[[nixl_agent], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(eq=False)
+class _Transfer:
+    op: str  # "READ" or "WRITE", seen from the local side
+    local: np.ndarray
+    remote: np.ndarray
+    remote_agent: str
+    deadline: float  # time.monotonic()
+    future: concurrent.futures.Future
+    before: Callable[[], Any] | None = None
+    after: Callable[[], Any] | None = None
+    before_result: Any = None
+    handle: Any = None
+
+
+_STOP = object()
+
+
+class AgentThread:
+    """One NIXL agent and the only thread that ever touches it.
+
+    ``submit``/``call`` run a function of the agent on that thread; ``transfer`` posts a
+    transfer and resolves when it is DONE, failed, or past its deadline. A transfer may
+    carry work for the same thread right before it is posted and right after it is DONE
+    (the remote tier checksums rows there: the rows are hot in cache, and no second
+    thread competes for the GIL or, on a small machine, for the same core). Between jobs the
+    thread polls the transfers in flight (``check_xfer_state`` never blocks), backing off
+    from a few microseconds to 1 ms while nothing completes, and sleeps on its queue when
+    nothing is in flight.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
+        self._agent: nixl_agent | None = None
+
+    async def start(self, timeout: float) -> None:
+        """Create the agent on its thread (the first UCX agent of a process takes ~0.5 s)."""
+        self._thread.start()
+        await asyncio.wait_for(asyncio.wrap_future(self._ready), timeout)
+
+    def submit(self, fn: Callable[[nixl_agent], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put(_Call(fn, future))
+        return future
+
+    async def call(self, fn: Callable[[nixl_agent], T], timeout: float) -> T:
+        """Run ``fn(agent)`` on the agent's thread; ``TimeoutError`` if it does not finish in time."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.submit(fn)), timeout)
+
+    def transfer(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        remote_agent: str,
+        deadline: float,
+        *,
+        before: Callable[[], Any] | None = None,
+        after: Callable[[], Any] | None = None,
+    ) -> concurrent.futures.Future[tuple[Any, Any]]:
+        """Post ``op`` of the Nx3 descriptor arrays, between ``before()`` and ``after()``.
+
+        The future's result is ``(before(), after())``; it fails with ``TransferError`` (or
+        ``TransferTimeout``), in which case ``after`` does not run.
+        """
+        future: concurrent.futures.Future[tuple[Any, Any]] = concurrent.futures.Future()
+        self._jobs.put(_Transfer(op, local, remote, remote_agent, deadline, future, before, after))
+        return future
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail what is in flight, drop the agent and stop the thread (blocking, bounded)."""
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("NIXL agent %s: its thread did not stop within %.1f s", self.name, timeout)
+
+    # -- the agent's thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._agent = create_agent(self.name)
+        except Exception as exc:
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
+        inflight: list[_Transfer] = []
+        sleep_s = 0.0
+        while True:
+            try:
+                job = self._jobs.get(block=not inflight)
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                break
+            try:
+                if job is not None:
+                    self._start(job, inflight)
+                    sleep_s = 0.0
+                if inflight and not self._poll(inflight) and job is None:
+                    time.sleep(sleep_s)
+                    sleep_s = min(max(sleep_s * 2, 10e-6), _POLL_MAX_SLEEP_S)
+            except Exception:  # a bug here must not leave any waiter hanging
+                log.exception("NIXL agent %s: failing the transfers in flight", self.name)
+                for xfer in inflight:
+                    self._release(xfer)
+                    if not xfer.future.done():
+                        xfer.future.set_exception(TransferError("agent thread error"))
+                inflight.clear()
+        for xfer in inflight:
+            self._release(xfer)
+            xfer.future.set_exception(TransferError("agent closed"))
+        while True:  # jobs queued behind the stop
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not _STOP:
+                _fail(job.future, TransferError("agent closed"))
+        self._agent = None
+
+    def _start(self, job: _Call | _Transfer, inflight: list[_Transfer]) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return  # the waiter gave up before the job started
+        agent = self._agent
+        assert agent is not None
+        if isinstance(job, _Call):
+            try:
+                job.future.set_result(job.fn(agent))
+            except Exception as exc:
+                job.future.set_exception(exc)
+            return
+        if time.monotonic() >= job.deadline:
+            job.future.set_exception(
+                TransferTimeout(f"{job.op} to {job.remote_agent}: deadline passed in queue")
+            )
+            return
+        try:
+            if job.before is not None:
+                job.before_result = job.before()
+            job.handle = agent.initialize_xfer(
+                job.op,
+                agent.get_xfer_descs(job.local, "DRAM"),
+                agent.get_xfer_descs(job.remote, "DRAM"),
+                job.remote_agent,
+            )
+            state = agent.transfer(job.handle)
+        except Exception as exc:
+            self._release(job)
+            job.future.set_exception(TransferError(f"{job.op} to {job.remote_agent}: {exc}"))
+            return
+        if state == "PROC":
+            inflight.append(job)
+        else:
+            self._finish(job, state)
+
+    def _poll(self, inflight: list[_Transfer]) -> bool:
+        """Check every transfer in flight; whether any of them finished."""
+        agent = self._agent
+        assert agent is not None
+        now = time.monotonic()
+        timed_out: set[str] = set()
+        progressed = False
+        for job in list(inflight):
+            try:
+                state = agent.check_xfer_state(job.handle)
+            except Exception as exc:
+                state = f"ERR ({exc})"
+            if state == "PROC":
+                if now < job.deadline:
+                    continue
+                timed_out.add(job.remote_agent)
+                continue
+            inflight.remove(job)
+            self._finish(job, state)
+            progressed = True
+        for name in timed_out:  # release every handle towards that agent, then remove it
+            for job in [j for j in inflight if j.remote_agent == name]:
+                inflight.remove(job)
+                self._release(job)
+                job.future.set_exception(
+                    TransferTimeout(f"{job.op} to {name}: no completion by its deadline")
+                )
+            try:
+                agent.remove_remote_agent(name)
+            except Exception as exc:
+                log.debug("removing remote agent %s after a timeout: %s", name, exc)
+            progressed = True
+        return progressed
+
+    def _finish(self, job: _Transfer, state: str) -> None:
+        self._release(job)
+        if state != "DONE":
+            job.future.set_exception(TransferError(f"{job.op} to {job.remote_agent}: {state}"))
+            return
+        try:
+            job.future.set_result((job.before_result, job.after() if job.after is not None else None))
+        except Exception as exc:
+            job.future.set_exception(exc)
+
+    def _release(self, job: _Transfer) -> None:
+        if job.handle is None:
+            return
+        handle, job.handle = job.handle, None
+        try:
+            handle.release()
+        except Exception as exc:  # an unfinished transfer: NIXL keeps the handle on its leak list
+            log.debug("releasing a %s handle towards %s: %s", job.op, job.remote_agent, exc)
+
+
+def _fail(future: concurrent.futures.Future, exc: Exception) -> None:
+    if future.set_running_or_notify_cancel():
+        future.set_exception(exc)

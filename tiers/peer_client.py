@@ -1,0 +1,248 @@
+"""One authenticated control connection to one ``kvtier peer``.
+
+It speaks ``tiers/peer_protocol.py`` and nothing else: the rows move by NIXL, driven by
+``RemoteTier``. Many calls share the connection at once: each request carries an id, a
+reader task hands each reply to the call waiting for it, and every wait has a deadline.
+
+Failures come in two kinds, so the caller can tell a sick peer from a refused request:
+
+- ``PeerUnavailable`` (and ``PeerTimeout``): the connection is unusable (refused, closed,
+  authentication failed, a reply late or malformed). The caller marks the peer down.
+- ``PeerRefused``: the peer answered ERROR to this one request (an expired allocation, a
+  limit); the connection is fine.
+
+When the connection breaks while idle (the peer was killed: EOF), ``on_lost`` is called
+once, so the peer is marked down before any call has to fail on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from tiers import peer_protocol as proto
+
+log = logging.getLogger(__name__)
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot be used now; its keys are misses until it is reached again."""
+
+
+class PeerTimeout(PeerUnavailable):
+    """A reply did not come by the deadline (a stopped or hung peer)."""
+
+
+class PeerRefused(Exception):
+    """The peer answered ERROR to one request; the connection stays usable."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"peer refused (code {code}): {text}")
+        self.code = code
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+class PeerClient:
+    """An authenticated connection; build it with ``PeerClient.connect``."""
+
+    def __init__(
+        self,
+        address: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        welcome: proto.Welcome,
+        on_lost: Callable[[PeerClient, str], None] | None,
+    ) -> None:
+        self.address = address
+        self.welcome = welcome
+        self._reader = reader
+        self._writer = writer
+        self._on_lost = on_lost
+        self._pending: dict[int, asyncio.Future[proto.Frame]] = {}
+        self._next_id = 0
+        self.closed = False
+        self._reading = asyncio.create_task(self._read_replies(), name=f"kvtier-peer-{address}")
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        token: bytes | None,
+        deadline: float,
+        on_lost: Callable[[PeerClient, str], None] | None = None,
+    ) -> PeerClient:
+        """Connect and authenticate (both ways) by ``deadline`` (``time.monotonic()``)."""
+        address = f"{host}:{port}"
+        key = token or b""
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                reader, writer = await asyncio.open_connection(host, port, limit=proto.MAX_FRAME + 64)
+        except TimeoutError as exc:
+            raise PeerTimeout(f"{address}: connect timed out") from exc
+        except OSError as exc:
+            raise PeerUnavailable(f"{address}: {exc.strerror or exc}") from exc
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                frame = await proto.read_frame(reader, proto.MAX_HANDSHAKE_FRAME)
+                if frame.type != proto.Msg.CHALLENGE:
+                    raise proto.ProtocolError(f"expected CHALLENGE, got {frame.type.name}")
+                server_nonce = proto.decode_challenge(frame.payload)
+                client_nonce = os.urandom(proto.NONCE_BYTES)
+                mac = proto.client_mac(key, server_nonce, client_nonce)
+                writer.write(proto.encode_frame(proto.Msg.AUTH, 0, proto.encode_auth(client_nonce, mac)))
+                try:
+                    frame = await proto.read_frame(reader, proto.MAX_FRAME)
+                except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                    raise PeerUnavailable(f"{address}: closed during the handshake (wrong token?)") from exc
+                if frame.type != proto.Msg.WELCOME:
+                    raise proto.ProtocolError(f"expected WELCOME, got {frame.type.name}")
+                welcome = proto.decode_welcome(frame.payload)
+                if not proto.macs_equal(proto.server_mac(key, server_nonce, client_nonce), welcome.mac):
+                    raise PeerUnavailable(f"{address}: the peer does not know the token")
+        except BaseException as exc:
+            writer.close()
+            if isinstance(exc, TimeoutError):
+                raise PeerTimeout(f"{address}: no handshake by the deadline") from exc
+            if isinstance(exc, proto.ProtocolError | asyncio.IncompleteReadError | ConnectionError):
+                raise PeerUnavailable(f"{address}: handshake failed: {exc}") from exc
+            raise
+        return cls(address, reader, writer, welcome, on_lost)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def put_alloc(
+        self, keys: Sequence[bytes], lengths: Sequence[int], deadline: float
+    ) -> tuple[int, list[int]]:
+        payload = await self._request(
+            proto.Msg.PUT_ALLOC, proto.encode_put_alloc(keys, lengths), proto.Msg.ALLOCATED, deadline
+        )
+        alloc_id, slots = self._decode(proto.decode_allocated, payload)
+        if len(slots) != len(keys) or any(s >= self.welcome.num_slots for s in slots if s < proto.EXISTS):
+            self._break("ALLOCATED does not match its request")
+        return alloc_id, slots
+
+    async def put_commit(self, alloc_id: int, headers: Sequence[bytes], deadline: float) -> list[bool]:
+        payload = await self._request(
+            proto.Msg.PUT_COMMIT, proto.encode_commit(alloc_id, headers), proto.Msg.COMMITTED, deadline
+        )
+        stored = self._decode(proto.decode_flags, payload)
+        if len(stored) != len(headers):
+            self._break("COMMITTED does not match its request")
+        return stored
+
+    def put_abort(self, alloc_id: int) -> None:
+        self._send(proto.Msg.PUT_ABORT, proto.encode_id(alloc_id))
+
+    async def get(self, keys: Sequence[bytes], deadline: float) -> tuple[int, list[tuple[int, bytes] | None]]:
+        payload = await self._request(proto.Msg.GET, proto.encode_keys(keys), proto.Msg.LEASED, deadline)
+        lease_id, entries = self._decode(proto.decode_leased, payload)
+        if len(entries) != len(keys) or any(e[0] >= self.welcome.num_slots for e in entries if e):
+            self._break("LEASED does not match its request")
+        return lease_id, entries
+
+    def release(self, lease_id: int) -> None:
+        self._send(proto.Msg.RELEASE, proto.encode_id(lease_id))
+
+    async def contains(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
+        payload = await self._request(
+            proto.Msg.CONTAINS, proto.encode_keys(keys), proto.Msg.CONTAINED, deadline
+        )
+        flags = self._decode(proto.decode_flags, payload)
+        if len(flags) != len(keys):
+            self._break("CONTAINED does not match its request")
+        return flags
+
+    async def delete(self, keys: Sequence[bytes], deadline: float) -> int:
+        payload = await self._request(proto.Msg.DELETE, proto.encode_keys(keys), proto.Msg.DELETED, deadline)
+        return self._decode(proto.decode_count, payload)
+
+    async def stats(self, deadline: float) -> dict[str, int]:
+        payload = await self._request(proto.Msg.STATS, b"", proto.Msg.STATS_REPLY, deadline)
+        return self._decode(proto.decode_stats, payload)
+
+    async def close(self) -> None:
+        """Close deliberately (``on_lost`` is not called)."""
+        self._on_lost = None
+        self._lose("closed by the client")
+        self._reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reading
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _request(self, msg: proto.Msg, payload: bytes, reply: proto.Msg, deadline: float) -> bytes:
+        if self.closed:
+            raise PeerUnavailable(f"{self.address}: connection closed")
+        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        request_id = self._next_id
+        future: asyncio.Future[proto.Frame] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                self._writer.write(proto.encode_frame(msg, request_id, payload))
+                await self._writer.drain()
+                frame = await future
+        except TimeoutError as exc:
+            raise PeerTimeout(f"{self.address}: no {reply.name} by the deadline") from exc
+        except ConnectionError as exc:
+            self._lose(f"write failed: {exc}")
+            raise PeerUnavailable(f"{self.address}: {exc}") from exc
+        finally:
+            self._pending.pop(request_id, None)
+        if frame.type == proto.Msg.ERROR:
+            code, text = self._decode(proto.decode_error, frame.payload)
+            raise PeerRefused(code, text)
+        if frame.type != reply:
+            self._break(f"{frame.type.name} in reply to {msg.name}")
+        return frame.payload
+
+    def _send(self, msg: proto.Msg, payload: bytes) -> None:
+        """A message without a reply; lost silently if the connection is gone (the peer's
+        expiry and its cleanup of a closed connection give the resources back anyway)."""
+        if not self.closed:
+            self._writer.write(proto.encode_frame(msg, 0, payload))
+
+    def _decode(self, decoder, payload: bytes):
+        try:
+            return decoder(payload)
+        except proto.ProtocolError as exc:
+            self._break(str(exc))
+
+    def _break(self, why: str):
+        self._lose(f"protocol error: {why}")
+        raise PeerUnavailable(f"{self.address}: protocol error: {why}")
+
+    async def _read_replies(self) -> None:
+        reason = "connection closed by the peer"
+        try:
+            while True:
+                frame = await proto.read_frame(self._reader, proto.MAX_FRAME)
+                future = self._pending.get(frame.request_id)
+                if future is not None and not future.done():
+                    future.set_result(frame)
+                # else: a reply to a call that already gave up; dropped
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except proto.ProtocolError as exc:
+            reason = f"protocol error: {exc}"
+        self._lose(reason)
+
+    def _lose(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._writer.transport.abort()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PeerUnavailable(f"{self.address}: {reason}"))
+        on_lost, self._on_lost = self._on_lost, None
+        if on_lost is not None:
+            on_lost(self, reason)

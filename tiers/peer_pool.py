@@ -1,0 +1,357 @@
+"""A peer's bookkeeping: which slot holds which key, and who may touch which slot now.
+
+The peer's NIXL-registered memory is a run of fixed-size slots (``--row-bytes``, the largest
+row it serves; a smaller row uses the head of its slot). Clients READ and WRITE slots
+one-sided, so the peer cannot see a transfer: it can only promise, by protocol, that a
+slot a client was told to touch holds what the client expects while the client may touch
+it. That promise is this module:
+
+- **free -> pending**: ``allocate`` gives a put fresh slots (evicting by the policy if the
+  pool is full). Only that client writes them. A pending slot is in no index and no lease,
+  so nobody reads it. An allocation that is not committed within ``alloc_ttl_s`` (the
+  client died or hung) is taken back.
+- **pending -> stored**: ``commit`` records the row header the client sends and makes the
+  key visible; the policy learns of it.
+- **stored + lease**: ``lookup`` answers hits with their slots and headers and takes a
+  lease: a leased slot is never evicted, and a leased slot whose key is deleted or replaced
+  is *retired*, not freed, until its last lease is released or expires. So a READ never
+  races a WRITE of another row into the same slot. (Should a lease expire under a client
+  that was merely slow, the row's checksum still turns a torn read into a miss.)
+
+Owners are connection ids: closing a connection gives back its allocations and leases at
+once. Pure Python, single-threaded (the peer's event loop), no I/O: testable alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policies.base import EvictionPolicy
+from tiers.peer_protocol import EXISTS, NO_SLOT
+from tiers.row_format import RowHeader
+
+
+class PoolLimitError(Exception):
+    """An owner holds too many allocations or leases; a well-behaved client never does."""
+
+
+class UnknownAllocation(Exception):
+    """A commit for an allocation that expired, was aborted, or belongs to someone else."""
+
+
+class FreeSlots:
+    """Free slot numbers, lowest first, so one put's rows tend to be adjacent (and NIXL merges
+    adjacent descriptors). Freeing a slot that is free is a bookkeeping bug and raises."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._heap = list(range(num_slots))
+        self._free = bytearray(b"\x01") * num_slots
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def take(self, n: int) -> list[int]:
+        slots = [heapq.heappop(self._heap) for _ in range(min(n, len(self._heap)))]
+        for slot in slots:
+            self._free[slot] = 0
+        return slots
+
+    def give(self, slot: int) -> None:
+        if self._free[slot]:
+            raise RuntimeError(f"slot {slot} freed twice")
+        self._free[slot] = 1
+        heapq.heappush(self._heap, slot)
+
+
+@dataclass
+class _Allocation:
+    owner: int
+    keys: list[bytes]
+    slots: list[int]
+    lengths: list[int]
+    expires: float
+
+
+@dataclass
+class _Lease:
+    owner: int
+    slots: list[int]
+    expires: float
+
+
+class PeerPool:
+    """Slots, index, allocations and leases of one peer; see the module docstring."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        policy: EvictionPolicy,
+        *,
+        alloc_ttl_s: float = 10.0,
+        lease_ttl_s: float = 10.0,
+        max_allocs_per_owner: int = 256,
+        max_leases_per_owner: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise ValueError("a pool needs at least one slot of at least one byte")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.policy = policy
+        self.alloc_ttl_s = alloc_ttl_s
+        self.lease_ttl_s = lease_ttl_s
+        self.max_allocs_per_owner = max_allocs_per_owner
+        self.max_leases_per_owner = max_leases_per_owner
+        self._clock = clock
+        self._free = FreeSlots(num_slots)
+        self._index: dict[bytes, tuple[int, bytes]] = {}  # key -> (slot, 40-byte header)
+        self._leased = [0] * num_slots  # lease count per slot
+        self._retired: set[int] = set()  # dropped from the index while leased
+        self._allocs: dict[int, _Allocation] = {}  # in creation order = expiry order
+        self._leases: dict[int, _Lease] = {}
+        self._owner_allocs: dict[int, set[int]] = {}
+        self._owner_leases: dict[int, set[int]] = {}
+        self._ids = itertools.count(1)
+        self.counters = dict.fromkeys(
+            (
+                "rows_put",
+                "rows_existing",
+                "rows_refused",
+                "rows_hit",
+                "rows_missed",
+                "rows_deleted",
+                "evictions",
+                "allocs_expired",
+                "leases_expired",
+            ),
+            0,
+        )
+
+    # -- put ------------------------------------------------------------------------------
+
+    def allocate(self, owner: int, keys: Sequence[bytes], lengths: Sequence[int]) -> tuple[int, list[int]]:
+        """Slots for the keys not stored yet: ``(allocation id or 0, per key slot/EXISTS/NO_SLOT)``.
+
+        A key already stored answers ``EXISTS`` (keys name their content, so there is nothing
+        to write); a row longer than a slot, or one the pool cannot make room for (every
+        resident row is leased), answers ``NO_SLOT``.
+        """
+        if len(self._owner_allocs.get(owner, ())) >= self.max_allocs_per_owner:
+            raise PoolLimitError(f"{self.max_allocs_per_owner} uncommitted allocations")
+        statuses = [NO_SLOT] * len(keys)
+        wanted = []
+        for i, (key, length) in enumerate(zip(keys, lengths, strict=True)):
+            if key in self._index:
+                statuses[i] = EXISTS
+                self.policy.on_access(key)
+                self.counters["rows_existing"] += 1
+            elif 0 < length <= self.slot_bytes:
+                wanted.append(i)
+        self._make_room(len(wanted))
+        slots = self._free.take(len(wanted))
+        self.counters["rows_refused"] += len(keys) - len(slots) - statuses.count(EXISTS)
+        if not slots:
+            return 0, statuses
+        chosen = wanted[: len(slots)]
+        for i, slot in zip(chosen, slots, strict=True):
+            statuses[i] = slot
+        alloc_id = next(self._ids)
+        self._allocs[alloc_id] = _Allocation(
+            owner,
+            [keys[i] for i in chosen],
+            slots,
+            [lengths[i] for i in chosen],
+            self._clock() + self.alloc_ttl_s,
+        )
+        self._owner_allocs.setdefault(owner, set()).add(alloc_id)
+        return alloc_id, statuses
+
+    def commit(self, owner: int, alloc_id: int, headers: Sequence[bytes]) -> list[bool]:
+        """Make the written rows visible; per allocated slot whether its key is now stored.
+
+        A header that is not one (all zeros: the client did not write that row) or whose
+        length is not the allocated one frees the slot. A key stored meanwhile by another
+        put keeps its first row and the new slot goes back.
+        """
+        alloc = self._take_alloc(owner, alloc_id)
+        if len(headers) != len(alloc.slots):
+            self._free_slots(alloc.slots)
+            raise ValueError(f"{len(headers)} headers for an allocation of {len(alloc.slots)} slots")
+        stored = []
+        for key, slot, length, header in zip(alloc.keys, alloc.slots, alloc.lengths, headers, strict=True):
+            parsed = RowHeader.unpack(header)
+            if parsed is None or parsed.row_length != length:
+                self._free.give(slot)
+                stored.append(False)
+            elif key in self._index:
+                self._free.give(slot)
+                self.policy.on_access(key)
+                stored.append(True)
+            else:
+                self._index[key] = (slot, bytes(header))
+                self.policy.on_insert(key)
+                self.counters["rows_put"] += 1
+                stored.append(True)
+        return stored
+
+    def abort(self, owner: int, alloc_id: int) -> None:
+        """Give back an allocation whose rows were not (all) written."""
+        try:
+            alloc = self._take_alloc(owner, alloc_id)
+        except UnknownAllocation:
+            return
+        self._free_slots(alloc.slots)
+
+    # -- get ------------------------------------------------------------------------------
+
+    def lookup(self, owner: int, keys: Sequence[bytes]) -> tuple[int, list[tuple[int, bytes] | None]]:
+        """Per key ``(slot, header)`` or ``None``, and the id of a lease on the hit slots (0: none)."""
+        if len(self._owner_leases.get(owner, ())) >= self.max_leases_per_owner:
+            raise PoolLimitError(f"{self.max_leases_per_owner} unreleased leases")
+        entries: list[tuple[int, bytes] | None] = []
+        slots = []
+        for key in keys:
+            entry = self._index.get(key)
+            entries.append(entry)
+            if entry is None:
+                self.counters["rows_missed"] += 1
+                continue
+            self.counters["rows_hit"] += 1
+            self.policy.on_access(key)
+            slots.append(entry[0])
+            self._leased[entry[0]] += 1
+        if not slots:
+            return 0, entries
+        lease_id = next(self._ids)
+        self._leases[lease_id] = _Lease(owner, slots, self._clock() + self.lease_ttl_s)
+        self._owner_leases.setdefault(owner, set()).add(lease_id)
+        return lease_id, entries
+
+    def release(self, owner: int, lease_id: int) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return
+        self._end_lease(lease_id)
+
+    # -- other verbs ----------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self._index for key in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        deleted = 0
+        for key in keys:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                continue
+            self.policy.on_remove(key)
+            self._drop_slot(entry[0])
+            deleted += 1
+        self.counters["rows_deleted"] += deleted
+        return deleted
+
+    def drop_owner(self, owner: int) -> None:
+        """A connection closed: its pending writes and its reads are over."""
+        for alloc_id in list(self._owner_allocs.get(owner, ())):
+            self.abort(owner, alloc_id)
+        for lease_id in list(self._owner_leases.get(owner, ())):
+            self._end_lease(lease_id)
+        self._owner_allocs.pop(owner, None)
+        self._owner_leases.pop(owner, None)
+
+    def expire(self) -> None:
+        """Take back allocations and leases past their time (creation order is expiry order)."""
+        now = self._clock()
+        while self._allocs:
+            alloc_id, alloc = next(iter(self._allocs.items()))
+            if alloc.expires > now:
+                break
+            self.abort(alloc.owner, alloc_id)
+            self.counters["allocs_expired"] += 1
+        while self._leases:
+            lease_id, lease = next(iter(self._leases.items()))
+            if lease.expires > now:
+                break
+            self._end_lease(lease_id)
+            self.counters["leases_expired"] += 1
+
+    def stats(self) -> dict[str, int]:
+        pending = sum(len(a.slots) for a in self._allocs.values())
+        return {
+            "slots": self.num_slots,
+            "slot_bytes": self.slot_bytes,
+            "rows": len(self._index),
+            "free_slots": len(self._free),
+            "pending_slots": pending,
+            "retired_slots": len(self._retired),
+            "leases": len(self._leases),
+            **self.counters,
+        }
+
+    def check(self) -> None:
+        """Every slot is in exactly one state (free, pending, stored, retired): for tests."""
+        stored = [slot for slot, _ in self._index.values()]
+        pending = [slot for a in self._allocs.values() for slot in a.slots]
+        free = list(self._free._heap)
+        everything = stored + pending + free + list(self._retired)
+        if sorted(everything) != list(range(self.num_slots)):
+            raise AssertionError("a slot is lost or in two states")
+        if any(self._leased[slot] == 0 for slot in self._retired):
+            raise AssertionError("a retired slot without a lease")
+        if any(self._leased[slot] for slot in free + pending):
+            raise AssertionError("a leased slot is free or pending")
+        if len(self.policy) != len(self._index):
+            raise AssertionError("policy and index disagree")
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _take_alloc(self, owner: int, alloc_id: int) -> _Allocation:
+        alloc = self._allocs.get(alloc_id)
+        if alloc is None or alloc.owner != owner:
+            raise UnknownAllocation(alloc_id)
+        del self._allocs[alloc_id]
+        self._owner_allocs[owner].discard(alloc_id)
+        return alloc
+
+    def _end_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id)
+        self._owner_leases[lease.owner].discard(lease_id)
+        for slot in lease.slots:
+            self._leased[slot] -= 1
+            if self._leased[slot] == 0 and slot in self._retired:
+                self._retired.discard(slot)
+                self._free.give(slot)
+
+    def _evictable(self, key: object) -> bool:
+        entry = self._index.get(key)  # type: ignore[arg-type]
+        return entry is not None and self._leased[entry[0]] == 0
+
+    def _make_room(self, wanted: int) -> None:
+        short = wanted - len(self._free)
+        if short <= 0:
+            return
+        victims = self.policy.evict(short, self._evictable)
+        if victims is None:  # all-or-nothing: take what can be had, one at a time
+            victims = []
+            while len(victims) < short and (one := self.policy.evict(1, self._evictable)):
+                victims.extend(one)
+        for key in victims:
+            entry = self._index.pop(key, None)  # type: ignore[arg-type]
+            if entry is not None:
+                self._drop_slot(entry[0])
+                self.counters["evictions"] += 1
+
+    def _drop_slot(self, slot: int) -> None:
+        if self._leased[slot]:
+            self._retired.add(slot)
+        else:
+            self._free.give(slot)
+
+    def _free_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self._free.give(slot)

@@ -1,0 +1,406 @@
+"""``kvtier peer``: a process that lends its memory to remote tiers as a pool of rows.
+
+    kvtier peer --listen HOST:PORT --capacity SIZE [--row-bytes SIZE] [--token-file F] [--policy NAME]
+
+The pool is one buffer, pre-faulted, registered with NIXL once and kept
+registered for the life of the process (deregistering would not revoke a client's access
+anyway; what a client may touch is guarded by protocol, in ``tiers/peer_pool.py``). It is
+cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
+share the slots, a smaller row uses the head of its slot). Fixed slots keep a slot's
+address a multiplication and make eviction a one-for-one swap; vLLM pads every group's page
+to one size anyway, so little is wasted.
+
+Data never passes through this process's code: clients READ and WRITE slots with NIXL
+(one-sided; over CMA the copy is done by the client's kernel call). The peer only runs the
+control plane (``tiers/peer_protocol.py``) on one uvloop event loop: handshake, two-phase
+put (allocate, client writes, commit), get (slots and a lease, client reads, release),
+contains, delete, stats. Its NIXL agent has no progress thread; the loop progresses it
+every millisecond while clients are connected (a new client's first transfer needs the
+target to answer the transport's wire-up) and rarely otherwise.
+
+A malformed or oversized message closes that connection only; a failed handshake closes
+the connection before the peer says anything about itself. SIGTERM or SIGINT stops the
+peer cleanly (exit status 0). When ready it writes one line to stdout,
+``kvtier peer listening on HOST:PORT ...``, which is how scripts and tests learn a port
+chosen with ``:0``. Everything else goes to the log (stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import uvloop
+
+from policies import make_policy
+from tiers import peer_protocol as proto
+from tiers.nixl_agent import create_agent
+from tiers.peer_pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.sizes import parse_size
+
+log = logging.getLogger("kvtier.peer")
+
+PAGE = 4096
+HUGE_PAGE = 2 << 20
+PROBE_BYTES = 64  # after the last slot: the instance id, read once by each client
+HANDSHAKE_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 10.0
+FAST_PROGRESS_S = 0.001
+IDLE_PROGRESS_S = 0.05
+SWEEP_S = 0.1
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    host: str
+    port: int
+    capacity_bytes: int
+    row_bytes: int
+    token: bytes  # b"" when the peer was started without a token
+    policy: str
+    alloc_ttl_s: float
+    lease_ttl_s: float
+    max_connections: int
+
+
+class ServedMemory:
+    """The slots and a probe area in one buffer registered with NIXL for the process lifetime.
+
+    A numpy allocation (numpy asks for transparent huge pages), every page faulted in at
+    start rather than during a client's first transfer, slot 0 aligned to 2 MiB. Alignment
+    is a measured matter: a CMA copy between buffers whose addresses differ mod 64 runs at
+    about half speed, and host tiers are torch allocations (aligned), so slots are too.
+    """
+
+    def __init__(self, num_slots: int, slot_bytes: int, instance_id: bytes, agent_name: str) -> None:
+        pool_bytes = num_slots * slot_bytes
+        self.buffer = np.zeros(pool_bytes + PROBE_BYTES + HUGE_PAGE, dtype=np.uint8)
+        self.buffer[::PAGE] = 0  # fault every page in now
+        start = -self.buffer.ctypes.data % HUGE_PAGE
+        self.pool_addr = self.buffer.ctypes.data + start
+        self.probe_addr = self.pool_addr + pool_bytes
+        probe = start + pool_bytes
+        self.buffer[probe : probe + len(instance_id)] = np.frombuffer(instance_id, dtype=np.uint8)
+        self.agent = create_agent(agent_name)
+        self.agent.register_memory([(self.buffer.ctypes.data, self.buffer.nbytes, 0, "")], "DRAM")
+        self.metadata = self.agent.get_agent_metadata()
+
+    def progress(self) -> None:
+        """Let the agent answer transport wire-up from new clients (no progress thread)."""
+        self.agent.get_new_notifs()
+
+
+class PeerServer:
+    """The control plane of one peer: connections, handshake, requests, expiry."""
+
+    def __init__(self, settings: PeerSettings) -> None:
+        self.settings = settings
+        num_slots = settings.capacity_bytes // settings.row_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"--capacity {settings.capacity_bytes} B holds no row of --row-bytes {settings.row_bytes} B"
+            )
+        num_slots = min(num_slots, proto.MAX_SLOTS)
+        self.instance_id = os.urandom(proto.INSTANCE_ID_BYTES)
+        self.pool = PeerPool(
+            num_slots,
+            settings.row_bytes,
+            make_policy(settings.policy, num_slots),
+            alloc_ttl_s=settings.alloc_ttl_s,
+            lease_ttl_s=settings.lease_ttl_s,
+        )
+        self.memory = ServedMemory(
+            num_slots, settings.row_bytes, self.instance_id, f"kvtier-peer-{self.instance_id.hex()}"
+        )
+        self._conn_ids = itertools.count(1)
+        self._connections: dict[int, asyncio.StreamWriter] = {}
+        self._handlers: set[asyncio.Task] = set()
+        self.counters = {"connections": 0, "auth_failures": 0, "protocol_errors": 0}
+
+    async def serve(self, ready: asyncio.Future[tuple[str, int]], stop: asyncio.Event) -> None:
+        server = await asyncio.start_server(
+            self._on_connection, self.settings.host, self.settings.port, limit=proto.MAX_FRAME + 64
+        )
+        host, port = server.sockets[0].getsockname()[:2]
+        ready.set_result((host, port))
+        background = [asyncio.create_task(self._progress()), asyncio.create_task(self._sweep())]
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            for writer in list(self._connections.values()):
+                writer.close()
+            for task in [*background, *self._handlers]:
+                task.cancel()
+            await asyncio.gather(*background, *self._handlers, return_exceptions=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+
+    # -- background -------------------------------------------------------------------------
+
+    async def _progress(self) -> None:
+        while True:
+            try:
+                self.memory.progress()
+            except Exception as exc:  # never let the control plane die of a transport hiccup
+                log.debug("NIXL progress: %s", exc)
+            await asyncio.sleep(FAST_PROGRESS_S if self._connections else IDLE_PROGRESS_S)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.pool.expire()
+
+    # -- connections ------------------------------------------------------------------------
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        conn_id = next(self._conn_ids)
+        peername = writer.get_extra_info("peername")
+        try:
+            if len(self._connections) >= self.settings.max_connections:
+                log.warning("refusing %s: %d connections already", peername, len(self._connections))
+                return
+            self._connections[conn_id] = writer
+            if not await self._handshake(reader, writer, peername):
+                return
+            self.counters["connections"] += 1
+            await self._requests(conn_id, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client left
+        except proto.ProtocolError as exc:
+            self.counters["protocol_errors"] += 1
+            log.warning("closing %s: %s", peername, exc)
+        except TimeoutError:
+            log.warning("closing %s: it does not read its replies", peername)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("closing %s after an unexpected error", peername)
+        finally:
+            self.pool.drop_owner(conn_id)
+            self._connections.pop(conn_id, None)
+            self._handlers.discard(task)
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peername) -> bool:
+        token = self.settings.token
+        nonce = os.urandom(proto.NONCE_BYTES)
+        writer.write(proto.encode_frame(proto.Msg.CHALLENGE, 0, proto.encode_challenge(nonce)))
+        try:
+            frame = await asyncio.wait_for(
+                proto.read_frame(reader, proto.MAX_HANDSHAKE_FRAME), HANDSHAKE_TIMEOUT_S
+            )
+            if frame.type != proto.Msg.AUTH:
+                raise proto.ProtocolError(f"{frame.type.name} before authentication")
+            client_nonce, mac = proto.decode_auth(frame.payload)
+        except (proto.ProtocolError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            self.counters["auth_failures"] += 1
+            log.warning("closing %s: no valid handshake (%s)", peername, exc or type(exc).__name__)
+            return False
+        if not proto.macs_equal(proto.client_mac(token, nonce, client_nonce), mac):
+            self.counters["auth_failures"] += 1
+            log.warning("closing %s: wrong or missing token", peername)
+            return False
+        welcome = proto.Welcome(
+            mac=proto.server_mac(token, nonce, client_nonce),
+            instance_id=self.instance_id,
+            slot_bytes=self.pool.slot_bytes,
+            num_slots=self.pool.num_slots,
+            pool_addr=self.memory.pool_addr,
+            probe_addr=self.memory.probe_addr,
+            probe_len=proto.INSTANCE_ID_BYTES,
+            agent_metadata=self.memory.metadata,
+        )
+        writer.write(proto.encode_frame(proto.Msg.WELCOME, 0, proto.encode_welcome(welcome)))
+        await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+        return True
+
+    async def _requests(
+        self, conn_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while True:
+            frame = await proto.read_frame(reader, proto.MAX_FRAME)
+            reply = self._dispatch(conn_id, frame)
+            if reply is not None:
+                writer.write(reply)
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+
+    def _dispatch(self, conn: int, frame: proto.Frame) -> bytes | None:
+        """The reply frame to one request (``None`` for the verbs that have none)."""
+        msg, rid, payload = proto.Msg, frame.request_id, frame.payload
+        pool = self.pool
+        try:
+            if frame.type == msg.PUT_ALLOC:
+                alloc_id, slots = pool.allocate(conn, *proto.decode_put_alloc(payload))
+                return proto.encode_frame(msg.ALLOCATED, rid, proto.encode_allocated(alloc_id, slots))
+            if frame.type == msg.PUT_COMMIT:
+                alloc_id, headers = proto.decode_commit(payload)
+                stored = pool.commit(conn, alloc_id, headers)
+                return proto.encode_frame(msg.COMMITTED, rid, proto.encode_flags(stored))
+            if frame.type == msg.PUT_ABORT:
+                pool.abort(conn, proto.decode_id(payload))
+                return None
+            if frame.type == msg.GET:
+                lease_id, entries = pool.lookup(conn, proto.decode_keys(payload))
+                return proto.encode_frame(msg.LEASED, rid, proto.encode_leased(lease_id, entries))
+            if frame.type == msg.RELEASE:
+                pool.release(conn, proto.decode_id(payload))
+                return None
+            if frame.type == msg.CONTAINS:
+                flags = pool.contains(proto.decode_keys(payload))
+                return proto.encode_frame(msg.CONTAINED, rid, proto.encode_flags(flags))
+            if frame.type == msg.DELETE:
+                deleted = pool.delete(proto.decode_keys(payload))
+                return proto.encode_frame(msg.DELETED, rid, proto.encode_count(deleted))
+            if frame.type == msg.STATS:
+                if payload:
+                    raise proto.ProtocolError("STATS carries no payload")
+                stats = {**pool.stats(), **self.counters, "connected": len(self._connections)}
+                return proto.encode_frame(msg.STATS_REPLY, rid, proto.encode_stats(stats))
+        except UnknownAllocation:
+            error = proto.encode_error(proto.ErrorCode.UNKNOWN_ALLOCATION, "allocation expired or unknown")
+            return proto.encode_frame(msg.ERROR, rid, error)
+        except PoolLimitError as exc:
+            return proto.encode_frame(msg.ERROR, rid, proto.encode_error(proto.ErrorCode.LIMIT, str(exc)))
+        except ValueError as exc:  # well-formed but inconsistent (a header count)
+            error = proto.encode_error(proto.ErrorCode.BAD_REQUEST, str(exc))
+            return proto.encode_frame(msg.ERROR, rid, error)
+        raise proto.ProtocolError(f"{frame.type.name} is not a request")
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _listen_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def read_token(path: str) -> bytes:
+    """The shared secret: the file's bytes without surrounding whitespace, never empty."""
+    token = Path(path).read_bytes().strip()
+    if not token:
+        raise ValueError(f"token file {path!r} is empty")
+    return token
+
+
+def parse_args(argv: list[str] | None) -> PeerSettings:
+    parser = argparse.ArgumentParser(prog="kvtier peer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--listen", type=_listen_address, required=True, metavar="HOST:PORT")
+    parser.add_argument("--capacity", type=_size, required=True, metavar="SIZE", help="pool size, e.g. 8GiB")
+    parser.add_argument(
+        "--row-bytes", type=_size, default=2 << 20, metavar="SIZE", help="the largest row; one slot (2MiB)"
+    )
+    parser.add_argument("--token-file", metavar="F", help="shared secret clients must prove (HMAC)")
+    parser.add_argument("--policy", default="lru", metavar="NAME", help="eviction policy (lru)")
+    parser.add_argument(
+        "--alloc-ttl", type=_seconds, default=10.0, metavar="S", help="uncommitted puts expire"
+    )
+    parser.add_argument(
+        "--lease-ttl", type=_seconds, default=10.0, metavar="S", help="unreleased reads expire"
+    )
+    parser.add_argument("--max-connections", type=int, default=256, metavar="N")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    token = b""
+    if args.token_file:
+        try:
+            token = read_token(args.token_file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--token-file: {exc}")
+    else:
+        log.warning("no --token-file: any client that reaches %s:%d can read and write rows", *args.listen)
+    if args.capacity < args.row_bytes:
+        parser.error(f"--capacity {args.capacity} B is less than one row of --row-bytes {args.row_bytes} B")
+    if args.row_bytes > 0xFFFFFFFF:
+        parser.error("--row-bytes must be below 4 GiB")
+    try:
+        make_policy(args.policy, 1)
+    except ValueError as exc:
+        parser.error(f"--policy: {exc}")
+    return PeerSettings(
+        host=args.listen[0],
+        port=args.listen[1],
+        capacity_bytes=args.capacity,
+        row_bytes=args.row_bytes,
+        token=token,
+        policy=args.policy,
+        alloc_ttl_s=args.alloc_ttl,
+        lease_ttl_s=args.lease_ttl,
+        max_connections=args.max_connections,
+    )
+
+
+async def run(settings: PeerSettings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    server = PeerServer(settings)
+    ready: asyncio.Future[tuple[str, int]] = loop.create_future()
+    serving = asyncio.create_task(server.serve(ready, stop))
+    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        await serving  # raises why it could not listen
+    host, port = ready.result()
+    pool = server.pool
+    sys.stdout.write(
+        f"kvtier peer listening on {host}:{port}: {pool.num_slots} slots of {pool.slot_bytes} B, "
+        f"policy {settings.policy}, auth {'token' if settings.token else 'none'}, "
+        f"ready in {time.monotonic() - started:.2f} s\n"
+    )
+    sys.stdout.flush()
+    await serving
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return uvloop.run(run(settings))
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", settings.host, settings.port, exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

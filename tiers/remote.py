@@ -1,0 +1,753 @@
+"""The remote tier: rows kept in the memory of ``kvtier peer`` processes, moved by NIXL.
+
+Who owns a key: **rendezvous hashing**. Each key goes to the reachable peer with the highest
+``xxh3(key, seed=hash(peer address))``, so when a peer leaves only its keys move (each to
+its second choice) and when it comes back they move back: no directory, no rebalancing.
+Keys that lived on a peer that left are misses (a cache may lose rows; it may not invent
+them).
+
+How a batch moves (per owner peer, all owners concurrently):
+
+- put: PUT_ALLOC (keys, lengths) -> slots; the rows are checksummed and WRITten into the
+  peer's slots, a NIXL request per ``transfer_bytes`` of rows with **one descriptor per
+  row**; PUT_COMMIT with the row headers makes them visible. A key the peer holds already
+  is not sent again (keys name their content).
+- get: GET (keys) -> slots, row headers and a lease; the rows are READ into the caller's
+  buffers, then verified against their headers (layout id, length, xxh3) before they count
+  as hits; RELEASE ends the lease. A row that fails verification is a miss, never garbage.
+
+Checksums are computed on the NIXL agent's thread, right before a part is written (its
+rows are then hot in cache for the copy) and right after a part is read, with the GIL
+released (``tiers/fast_checksum.py``). Measured on a 2-core machine: hashing beside the
+copy on another thread gains nothing there (both compete for one core's worth of memory
+bandwidth) and costs GIL hand-offs; hashing on the copying thread is the fastest.
+Rows should be 64-byte aligned, as torch allocations are: a copy between addresses that
+differ mod 64 runs at half speed (the peer's slots are 2 MiB aligned).
+
+Every call has one deadline (``deadline_s``, default 2 s) covering the control messages and
+the transfers. A peer that fails to answer in time, closes its connection, or fails a
+transfer is **marked down**: its keys are misses (or go to their next owner), it is
+retried after an exponential backoff (``backoff_s`` doubling to ``max_backoff_s``), and a
+restarted peer (new instance, new NIXL metadata) rejoins on its next successful handshake.
+A READ is never abandoned while it may still write a caller's buffer: a transfer that
+misses its deadline has its handle released and the remote agent removed before the call
+returns (``tiers/nixl_agent.py``).
+
+Keys on the wire are ``namespace + key``: the namespace (a digest that includes the tenant
+salt) keeps engines and tenants that must not share rows apart, at the peer itself.
+
+Threads: the coroutines run on the caller's event loop; NIXL runs on the agent's own
+thread; checksums of large batches run on one hashing thread. ``may_contain`` and ``stats``
+only read plain dicts and ints, so the scheduler may call them from its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import xxhash
+
+from tiers.base import LowerTier, Row, TierError
+from tiers.fast_checksum import checksum_at
+from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors
+from tiers.peer_client import PeerClient, PeerRefused, PeerTimeout, PeerUnavailable
+from tiers.peer_protocol import EXISTS, INSTANCE_ID_BYTES, MAX_KEY_BYTES, MAX_KEYS, NO_SLOT, Welcome
+from tiers.row_format import LAYOUT_ID_BYTES, RowHeader
+from tiers.row_format import VERSION as ROW_FORMAT_VERSION
+
+log = logging.getLogger(__name__)
+
+
+_MARGIN_S = 0.02  # transfers time out this much before the call's deadline, to report in time
+_SCRATCH_PER_PEER = 64
+_GRACE_S = 0.5  # how long past a deadline the agent's thread may take to report a timeout
+_AGENT_START_S = 30.0
+
+
+def _peer_seed(address: str) -> int:
+    return xxhash.xxh3_64_intdigest(address.encode())
+
+
+def rendezvous_owner(key: bytes, addresses: Sequence[str]) -> str:
+    """The address among ``addresses`` that owns ``key`` (the wire key: namespace + key)."""
+    return max(addresses, key=lambda a: xxhash.xxh3_64_intdigest(key, seed=_peer_seed(a)))
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer {address!r} is not 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(eq=False)
+class _Peer:
+    address: str
+    host: str
+    port: int
+    seed: int
+    scratch_offset: int
+    client: PeerClient | None = None
+    remote_agent: str | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    connecting: asyncio.Task | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None and not self.client.closed
+
+
+@dataclass(frozen=True, eq=False)
+class _Link:
+    """One call's view of an up peer: the connection and NIXL name it started with, so a
+    peer that goes down (or comes back) meanwhile cannot change them under the call."""
+
+    peer: _Peer
+    client: PeerClient
+    remote_agent: str
+
+    @property
+    def welcome(self) -> Welcome:
+        return self.client.welcome
+
+
+class RemoteTier(LowerTier):
+    """A client of one or more ``kvtier peer`` processes; see the module docstring.
+
+    ``peers``: ``"host:port"`` strings. ``namespace``: prefixes every key on the wire.
+    ``layout_id``: the 16-byte layout id every row header must carry. ``token``: the shared
+    secret of the peers (``None``: peers started without one). ``deadline_s``: the most any
+    call takes (control messages and transfers together). ``backoff_s``/``max_backoff_s``:
+    how long a failed peer rests before it is tried again (doubling per failure).
+    ``transfer_bytes``: rows per NIXL request are cut at about this many bytes (at least one
+    row; one descriptor per row). ``keys_per_request``: keys per control message (the
+    protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many stored keys
+    ``may_contain`` remembers.
+    """
+
+    kind = "remote"
+
+    def __init__(
+        self,
+        peers: Sequence[str],
+        namespace: bytes,
+        layout_id: bytes,
+        *,
+        token: bytes | None = None,
+        deadline_s: float = 2.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        transfer_bytes: int = 32 << 20,
+        keys_per_request: int = 1024,
+        max_tracked_keys: int = 1 << 20,
+    ) -> None:
+        if not peers:
+            raise ValueError("the remote tier needs at least one peer")
+        if len(set(peers)) != len(peers):
+            raise ValueError(f"peers {list(peers)} name a peer twice")
+        if len(layout_id) != LAYOUT_ID_BYTES:
+            raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
+        if not 0 < keys_per_request <= MAX_KEYS:
+            raise ValueError(f"keys_per_request must be in 1..{MAX_KEYS}")
+        self._peers = []
+        for i, address in enumerate(peers):
+            host, port = _parse_address(address)
+            self._peers.append(_Peer(address, host, port, _peer_seed(address), i * _SCRATCH_PER_PEER))
+        self.namespace = bytes(namespace)
+        self.layout_id = bytes(layout_id)
+        self.token = token
+        self.deadline_s = deadline_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.transfer_bytes = transfer_bytes
+        self.keys_per_request = keys_per_request
+        self.max_tracked_keys = max_tracked_keys
+        self._agent: AgentThread | None = None
+        self._host_addr = 0
+        self._host_len = 0
+        self._scratch = np.zeros(len(self._peers) * _SCRATCH_PER_PEER, dtype=np.uint8)
+        self._registrations: list = []
+        self._known: dict[bytes, None] = {}  # keys this client stored (may_contain), oldest first
+        self._cleanup: set[asyncio.Future] = set()
+        self._counters = dict.fromkeys(
+            (
+                "rows_put",
+                "rows_put_failed",
+                "rows_hit",
+                "rows_missed",
+                "rows_corrupt",
+                "bytes_written",
+                "bytes_read",
+                "transfers",
+                "descriptors",
+                "timeouts",
+                "peer_failures",
+                "rejoins",
+            ),
+            0,
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self, host_buffer: memoryview | None = None) -> None:
+        """Start the NIXL agent, register the host tier once and reach every peer.
+
+        A peer that cannot be reached now is not an error (it is retried with backoff); a
+        missing or read-only host buffer, or a NIXL agent that cannot start, is.
+        """
+        if host_buffer is None:
+            raise TierError("the remote tier moves rows by address: open() needs the host tier's buffer")
+        buffer = memoryview(host_buffer)
+        if buffer.readonly or not buffer.c_contiguous:
+            raise TierError("the host buffer must be writable and contiguous")
+        array = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=np.uint8)
+        self._host_addr = array.ctypes.data
+        self._host_len = array.nbytes
+        self._agent = AgentThread(f"kvtier-remote-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            await self._agent.start(_AGENT_START_S)
+            regions = [
+                (self._host_addr, self._host_len, 0, ""),
+                (self._scratch.ctypes.data, self._scratch.nbytes, 0, ""),
+            ]
+            self._registrations = [
+                await self._agent.call(lambda a, r=r: a.register_memory([r], "DRAM"), _AGENT_START_S)
+                for r in regions
+            ]
+        except Exception as exc:
+            self._agent.close()
+            raise TierError(f"remote tier: cannot start a NIXL agent: {exc}") from exc
+        await asyncio.gather(*(self._connect(peer) for peer in self._peers))
+        up = [p.address for p in self._peers if p.up]
+        log.info("remote tier: %d of %d peers up %s", len(up), len(self._peers), up)
+
+    async def close(self) -> None:
+        for peer in self._peers:
+            if peer.connecting is not None:
+                peer.connecting.cancel()
+        await asyncio.gather(*(p.connecting for p in self._peers if p.connecting), return_exceptions=True)
+        for peer in self._peers:
+            if peer.client is not None:
+                await peer.client.close()
+                peer.client = None
+        if self._cleanup:
+            await asyncio.wait(self._cleanup, timeout=_GRACE_S)
+        if self._agent is not None:
+            agent, self._agent = self._agent, None
+            names = [p.remote_agent for p in self._peers if p.remote_agent]
+            registrations, self._registrations = self._registrations, []
+
+            def teardown(a) -> None:
+                for name in names:
+                    with contextlib.suppress(Exception):
+                        a.remove_remote_agent(name)
+                for reg in registrations:
+                    with contextlib.suppress(Exception):
+                        a.deregister_memory(reg)
+
+            with contextlib.suppress(Exception):
+                await agent.call(teardown, _GRACE_S * 4)
+            await asyncio.to_thread(agent.close)
+        for peer in self._peers:
+            peer.remote_agent = None
+
+    # -- the LowerTier verbs ----------------------------------------------------------------
+
+    def may_contain(self, key: bytes) -> bool:
+        return key in self._known
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        deadline = self._deadline()
+        found = [False] * len(keys)
+        wire = self._wire(keys)
+
+        async def ask(link: _Link, idxs: list[int]) -> None:
+            for part in _batches(idxs, self.keys_per_request):
+                flags = await link.client.contains([wire[i] for i in part], deadline)
+                for i, flag in zip(part, flags, strict=True):
+                    found[i] = flag
+
+        await self._per_owner(wire, ask)
+        return found
+
+    async def put(self, rows: Sequence[Row]) -> list[bool]:
+        deadline = self._deadline()
+        stored = [False] * len(rows)
+        wire = self._wire([key for key, _ in rows])
+        views = [_bytes_view(row) for _, row in rows]
+        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
+
+        async def put_on(link: _Link, idxs: list[int]) -> None:
+            for part in _batches(idxs, self.keys_per_request):
+                await self._put_part(link, part, wire, views, addrs, stored, deadline)
+
+        await self._per_owner(wire, put_on)
+        ok = sum(stored)
+        self._counters["rows_put"] += ok
+        self._counters["rows_put_failed"] += len(rows) - ok
+        for (key, _), done in zip(rows, stored, strict=True):
+            if done:
+                self._remember(bytes(key))
+        return stored
+
+    async def get(self, rows: Sequence[Row]) -> list[bool]:
+        deadline = self._deadline()
+        loaded = [False] * len(rows)
+        wire = self._wire([key for key, _ in rows])
+        views = [_bytes_view(row) for _, row in rows]
+        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
+
+        async def get_from(link: _Link, idxs: list[int]) -> None:
+            for part in _batches(idxs, self.keys_per_request):
+                await self._get_part(link, part, wire, views, addrs, loaded, deadline)
+
+        await self._per_owner(wire, get_from)
+        hits = sum(loaded)
+        self._counters["rows_hit"] += hits
+        self._counters["rows_missed"] += len(rows) - hits
+        return loaded
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        """Delete on every reachable peer: a key may have a copy on its former owner."""
+        deadline = self._deadline()
+        for key in keys:
+            self._known.pop(bytes(key), None)
+        wire = self._wire(keys)
+
+        async def delete_on(peer: _Peer) -> None:
+            client = peer.client
+            if client is None:
+                return
+            try:
+                for part in _batches(list(range(len(wire))), self.keys_per_request):
+                    await client.delete([wire[i] for i in part], deadline)
+            except PeerRefused as exc:
+                log.warning("peer %s refused a delete: %s", peer.address, exc)
+            except PeerUnavailable as exc:
+                self._mark_down(peer, str(exc), client)
+
+        self._reconnect_due()
+        await asyncio.gather(*(delete_on(p) for p in self._peers if p.up))
+
+    def stats(self) -> dict[str, float]:
+        up = sum(1 for p in self._peers if p.up)
+        return {**self._counters, "peers": len(self._peers), "peers_up": up, "known_keys": len(self._known)}
+
+    # -- introspection for tests and benchmarks ---------------------------------------------
+
+    def peers_up(self) -> list[str]:
+        return [p.address for p in self._peers if p.up]
+
+    def owner(self, key: bytes) -> str | None:
+        """The reachable peer that owns ``key`` now (``None``: no peer is up)."""
+        up = [p.address for p in self._peers if p.up]
+        return rendezvous_owner(self.namespace + bytes(key), up) if up else None
+
+    async def peer_stats(self, address: str) -> dict[str, int]:
+        """The STATS of one reachable peer (``PeerUnavailable`` if it is down)."""
+        peer = next(p for p in self._peers if p.address == address)
+        if peer.client is None or not peer.up:
+            raise PeerUnavailable(f"{address} is down")
+        return await peer.client.stats(self._deadline())
+
+    # -- one owner's share of a call --------------------------------------------------------
+
+    async def _per_owner(
+        self, wire: list[bytes], work: Callable[[_Link, list[int]], Awaitable[None]]
+    ) -> None:
+        """Route ``wire`` keys to their owners and run ``work`` per owner, concurrently.
+
+        A peer that fails is marked down; its keys keep whatever result they had (a miss,
+        a failed put). A refused request fails only its own keys.
+        """
+        self._reconnect_due()
+        links = [
+            _Link(p, p.client, p.remote_agent)
+            for p in self._peers
+            if p.up and p.client is not None and p.remote_agent is not None
+        ]
+        if not links:
+            return
+        groups: dict[_Link, list[int]] = {}
+        if len(links) == 1:
+            groups[links[0]] = list(range(len(wire)))
+        else:
+            for i, key in enumerate(wire):
+                best = max(links, key=lambda link: xxhash.xxh3_64_intdigest(key, seed=link.peer.seed))
+                groups.setdefault(best, []).append(i)
+
+        async def guarded(link: _Link, idxs: list[int]) -> None:
+            try:
+                await work(link, idxs)
+            except PeerRefused as exc:
+                log.warning("peer %s refused a request: %s", link.peer.address, exc)
+            except (PeerUnavailable, TransferError) as exc:
+                if isinstance(exc, PeerTimeout | TransferTimeout):
+                    self._counters["timeouts"] += 1
+                self._mark_down(link.peer, str(exc), link.client)
+
+        await asyncio.gather(*(guarded(link, idxs) for link, idxs in groups.items()))
+
+    async def _put_part(
+        self,
+        link: _Link,
+        idxs: list[int],
+        wire: list[bytes],
+        views: list[memoryview],
+        addrs: list[int],
+        stored: list[bool],
+        deadline: float,
+    ) -> None:
+        client = link.client
+        slot_bytes = link.welcome.slot_bytes
+        eligible = [i for i in idxs if 0 < len(views[i]) <= slot_bytes]
+        if not eligible:
+            return
+        alloc_id, slots = await client.put_alloc(
+            [wire[i] for i in eligible], [len(views[i]) for i in eligible], deadline
+        )
+        writes: list[tuple[int, int]] = []  # (row index, slot)
+        for i, slot in zip(eligible, slots, strict=True):
+            if slot == EXISTS:
+                stored[i] = True
+            elif slot != NO_SLOT:
+                writes.append((i, slot))
+        if not writes:
+            return
+        try:
+            headers = await self._write(link, writes, views, addrs, deadline)
+        except BaseException:
+            client.put_abort(alloc_id)
+            raise
+        for (i, _), ok in zip(writes, await client.put_commit(alloc_id, headers, deadline), strict=True):
+            stored[i] = ok
+
+    async def _write(
+        self,
+        link: _Link,
+        writes: list[tuple[int, int]],
+        views: list[memoryview],
+        addrs: list[int],
+        deadline: float,
+    ) -> list[bytes]:
+        """WRITE the rows, one NIXL request per part, and return their headers.
+
+        The agent's thread checksums each part right before it copies it, so the source
+        rows are hot in cache for the copy and no second thread waits on the GIL. Raises if
+        any part failed, once no part is in flight any more.
+        """
+        parts = self._parts(writes, views)
+        futures = [
+            self._transfer(
+                link, "WRITE", part, views, addrs, deadline, before=partial(self._headers, part, views, addrs)
+            )
+            for part in parts
+        ]
+        errors = await self._settle(futures, deadline)
+        if errors:
+            raise errors[0]
+        self._counters["bytes_written"] += sum(len(views[i]) for i, _ in writes)
+        return [header for future in futures for header in future.result()[0]]
+
+    def _headers(self, part: list[tuple[int, int]], views: list[memoryview], addrs: list[int]) -> list[bytes]:
+        return [
+            RowHeader(self.layout_id, len(views[i]), checksum_at(views[i], addrs[i])).pack() for i, _ in part
+        ]
+
+    async def _get_part(
+        self,
+        link: _Link,
+        idxs: list[int],
+        wire: list[bytes],
+        views: list[memoryview],
+        addrs: list[int],
+        loaded: list[bool],
+        deadline: float,
+    ) -> None:
+        client = link.client
+        lease_id, entries = await client.get([wire[i] for i in idxs], deadline)
+        try:
+            reads: list[tuple[int, int]] = []
+            expected: dict[int, int] = {}  # row -> checksum its header promises
+            for i, entry in zip(idxs, entries, strict=True):
+                if entry is None:
+                    continue
+                slot, raw = entry
+                why = self._unservable(RowHeader.unpack(raw), len(views[i]), link.welcome.slot_bytes)
+                if why is not None:
+                    self._counters["rows_corrupt"] += 1
+                    log.warning("peer %s: a row not read (%s): a miss", link.peer.address, why)
+                    continue
+                reads.append((i, slot))
+                expected[i] = RowHeader.unpack(raw).checksum  # type: ignore[union-attr]
+            if reads:
+                await self._read_and_verify(link, reads, views, addrs, expected, loaded, deadline)
+        finally:
+            if lease_id:
+                client.release(lease_id)
+
+    def _unservable(self, header: RowHeader | None, length: int, slot_bytes: int) -> str | None:
+        """``row_format.verify`` without the checksum, which can only be checked after the READ."""
+        if header is None:
+            return "no valid header"
+        if header.version != ROW_FORMAT_VERSION:
+            return f"format version {header.version}"
+        if header.layout_id != self.layout_id:
+            return "another layout"
+        if header.row_length != length or length > slot_bytes:
+            return f"length {header.row_length}, expected {length}"
+        return None
+
+    async def _read_and_verify(
+        self,
+        link: _Link,
+        reads: list[tuple[int, int]],
+        views: list[memoryview],
+        addrs: list[int],
+        expected: dict[int, int],
+        loaded: list[bool],
+        deadline: float,
+    ) -> None:
+        """READ the rows, one NIXL request per part, and verify each part on the agent's thread
+        as soon as it lands. Returns only when no READ can still write the caller's buffers;
+        rows of parts that landed and verified are hits even if another part failed."""
+        parts = self._parts(reads, views)
+        futures = [
+            self._transfer(
+                link,
+                "READ",
+                part,
+                views,
+                addrs,
+                deadline,
+                after=partial(self._verify, part, views, addrs, expected),
+            )
+            for part in parts
+        ]
+        errors = await self._settle(futures, deadline)
+        for part, future in zip(parts, futures, strict=True):
+            if future.cancelled() or future.exception() is not None:
+                continue
+            for (i, _), good in zip(part, future.result()[1], strict=True):
+                if good:
+                    loaded[i] = True
+                else:
+                    self._counters["rows_corrupt"] += 1
+                    log.warning("peer %s: a row failed its checksum: a miss", link.peer.address)
+            self._counters["bytes_read"] += sum(len(views[i]) for i, _ in part)
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def _verify(
+        part: list[tuple[int, int]], views: list[memoryview], addrs: list[int], expected: dict[int, int]
+    ) -> list[bool]:
+        return [checksum_at(views[i], addrs[i]) == expected[i] for i, _ in part]
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def _parts(self, items: list[tuple[int, int]], views: list[memoryview]) -> list[list[tuple[int, int]]]:
+        """Cut ``(row, slot)`` pairs into NIXL requests of about ``transfer_bytes`` (one row at least)."""
+        parts: list[list[tuple[int, int]]] = []
+        start, size = 0, 0
+        for n, (i, _) in enumerate(items):
+            size += len(views[i])
+            if size >= self.transfer_bytes:
+                parts.append(items[start : n + 1])
+                start, size = n + 1, 0
+        if start < len(items):
+            parts.append(items[start:])
+        return parts
+
+    def _transfer(
+        self,
+        link: _Link,
+        op: str,
+        part: list[tuple[int, int]],
+        views: list[memoryview],
+        addrs: list[int],
+        deadline: float,
+        **hooks: Callable[[], object],
+    ) -> concurrent.futures.Future:
+        """One NIXL request for ``part``: one descriptor per row, host row -> peer slot."""
+        welcome = link.welcome
+        lengths = [len(views[i]) for i, _ in part]
+        local = descriptors([addrs[i] for i, _ in part], lengths)
+        remote = descriptors([welcome.pool_addr + slot * welcome.slot_bytes for _, slot in part], lengths)
+        if self._agent is None:
+            raise TransferError("the remote tier is closed")
+        self._counters["transfers"] += 1
+        self._counters["descriptors"] += len(part)
+        return self._agent.transfer(op, local, remote, link.remote_agent, deadline - _MARGIN_S, **hooks)
+
+    async def _settle(self, futures: list[concurrent.futures.Future], deadline: float) -> list[BaseException]:
+        """Wait until every transfer has finished, failed or timed out, and return the errors.
+
+        The agent's thread resolves each one by its deadline; the extra grace only guards
+        against a NIXL call that itself blocks, which no measurement has shown.
+        """
+        pending = [f for f in futures if not f.done()]
+        if pending:
+            waiters = [asyncio.wrap_future(f) for f in pending]
+            _done, late = await asyncio.wait(
+                waiters, timeout=max(0.0, deadline - time.monotonic()) + _GRACE_S
+            )
+            if late:
+                log.error(
+                    "NIXL agent did not report %d transfers %.1f s past their deadline", len(late), _GRACE_S
+                )
+                return [TransferTimeout("the NIXL agent is not answering")]
+        errors: list[BaseException] = []
+        for f in futures:
+            if f.cancelled():
+                errors.append(TransferError("cancelled"))
+            elif (exc := f.exception()) is not None:
+                errors.append(exc)
+        return errors
+
+    def _wire(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Keys as the peers see them: namespace first (which keeps tenants apart)."""
+        wire = [self.namespace + bytes(k) for k in keys]
+        if any(len(w) > MAX_KEY_BYTES for w in wire):
+            raise ValueError(f"namespace + key longer than {MAX_KEY_BYTES} bytes")
+        return wire
+
+    def _addr(self, view: memoryview) -> int:
+        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else self._host_addr
+        if not (self._host_addr <= addr and addr + len(view) <= self._host_addr + self._host_len):
+            raise ValueError("a row is not a slice of the host buffer given to open()")
+        return addr
+
+    # -- peers coming and going -------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        if self._agent is None:
+            raise TierError("the remote tier is not open")
+        return time.monotonic() + self.deadline_s
+
+    def _reconnect_due(self) -> None:
+        now = time.monotonic()
+        for peer in self._peers:
+            if not peer.up and peer.connecting is None and now >= peer.retry_at:
+                peer.connecting = asyncio.create_task(self._connect(peer))
+
+    async def _connect(self, peer: _Peer) -> None:
+        """Handshake, load the peer's NIXL metadata, and READ its probe bytes (which proves
+        the data plane and wires the transport up before the first real transfer)."""
+        agent = self._agent
+        assert agent is not None
+        deadline = time.monotonic() + self.deadline_s
+        client: PeerClient | None = None
+        name: str | None = None
+        peer.connecting = peer.connecting or asyncio.current_task()
+        try:
+            client = await PeerClient.connect(peer.host, peer.port, self.token, deadline, self._on_lost(peer))
+            welcome = client.welcome
+            raw_name = await agent.call(
+                lambda a: a.add_remote_agent(welcome.agent_metadata), max(0.01, deadline - time.monotonic())
+            )
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            scratch = self._scratch.ctypes.data + peer.scratch_offset
+            probe = descriptors([scratch], [INSTANCE_ID_BYTES])
+            future = agent.transfer(
+                "READ", probe, descriptors([welcome.probe_addr], [INSTANCE_ID_BYTES]), name, deadline
+            )
+            errors = await self._settle([future], deadline)
+            if errors:
+                raise errors[0]
+            got = self._scratch[peer.scratch_offset : peer.scratch_offset + INSTANCE_ID_BYTES].tobytes()
+            if got != welcome.instance_id:
+                raise PeerUnavailable(f"{peer.address}: the probe read other memory than the peer announced")
+        except BaseException as exc:  # whatever went wrong, the peer is not usable now
+            if client is not None:
+                await client.close()
+            if name is not None and not isinstance(exc, TransferTimeout):
+                self._remove_agent(name)
+            if not isinstance(exc, Exception):
+                raise  # cancelled: the tier is closing
+            self._back_off(peer)
+            log.warning(
+                "peer %s unreachable (%s); next try in %.1f s",
+                peer.address,
+                exc,
+                peer.retry_at - time.monotonic(),
+            )
+            return
+        finally:
+            peer.connecting = None
+        if peer.failures:
+            self._counters["rejoins"] += 1
+            log.warning("peer %s is back (instance %s)", peer.address, welcome.instance_id.hex()[:8])
+        peer.client, peer.remote_agent, peer.failures = client, name, 0
+
+    def _on_lost(self, peer: _Peer) -> Callable[[PeerClient, str], None]:
+        def lost(client: PeerClient, reason: str) -> None:
+            self._mark_down(peer, reason, client)
+
+        return lost
+
+    def _mark_down(self, peer: _Peer, reason: str, client: PeerClient | None = None) -> None:
+        """Stop routing to ``peer``; retry it after a backoff. With ``client``: only if that is
+        still the peer's connection (a late failure must not take down a rejoined peer)."""
+        if client is not None and peer.client is not client:
+            return
+        client, peer.client = peer.client, None
+        if client is None:
+            return
+        self._counters["peer_failures"] += 1
+        self._back_off(peer)
+        log.warning(
+            "peer %s down: %s; next try in %.1f s", peer.address, reason, peer.retry_at - time.monotonic()
+        )
+        task = asyncio.ensure_future(client.close())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+        if peer.remote_agent is not None:
+            self._remove_agent(peer.remote_agent)
+            peer.remote_agent = None
+
+    def _back_off(self, peer: _Peer) -> None:
+        peer.failures += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (peer.failures - 1))
+        peer.retry_at = time.monotonic() + delay * random.uniform(0.75, 1.0)
+
+    def _remove_agent(self, name: str) -> None:
+        """Drop a peer's NIXL metadata (and connection) on the agent's thread, after anything
+        already queued towards it."""
+        if self._agent is not None:
+            self._agent.submit(lambda a: _quietly(a.remove_remote_agent, name))
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        if len(self._known) > self.max_tracked_keys:
+            del self._known[next(iter(self._known))]
+
+
+def _quietly(fn: Callable[..., object], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.debug("%s%s: %s", getattr(fn, "__name__", fn), args, exc)
+
+
+def _batches(idxs: list[int], size: int) -> list[list[int]]:
+    return [idxs[i : i + size] for i in range(0, len(idxs), size)]
+
+
+def _bytes_view(row: memoryview) -> memoryview:
+    view = memoryview(row)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
