@@ -33,6 +33,33 @@ def _run(module_name: str, argv: list[str]) -> int:
     return int(module.main(argv) or 0)
 
 
+def _peer(argv: list[str]) -> int:
+    """``kvtier peer``: the server of ``tiers.peer_server``, plus ``--metrics-port PORT``.
+
+    The metrics endpoint is added here because ``tiers/`` never imports ``offload/``.
+    """
+    from offload.metrics import flat_families, render, serve
+    from tiers import peer_server
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+    args, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print("kvtier peer also takes --metrics-port PORT [--metrics-host HOST]: Prometheus text at /metrics")
+    if args.metrics_port is None:
+        return int(peer_server.main(rest) or 0)
+
+    def on_ready(stats):  # type: ignore[no-untyped-def]
+        gauges = {"slots", "slot_bytes", "rows", "free_slots", "pending_slots", "retired_slots", "leases"}
+        collect = lambda: render(flat_families(stats(), gauges=gauges), prefix="kvtier_peer_")  # noqa: E731
+        server = serve(args.metrics_port, collect, host=args.metrics_host)
+        host, port = server.server_address[:2]
+        logging.getLogger("kvtier.peer").warning("metrics at http://%s:%d/metrics", host, port)
+
+    return int(peer_server.main(rest, on_ready=on_ready) or 0)
+
+
 def _usage() -> str:
     lines = ["usage: kvtier [--log-level LEVEL] COMMAND ...", "", "commands:"]
     lines += [f"  {name:14} {text}" for name, (_module, text) in COMMANDS.items()]
@@ -53,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = rest[0], rest[1:]
     if args.help:
         rest = [*rest, "--help"]
-    if command in COMMANDS:
-        return _run(COMMANDS[command][0], rest)
+    if command == "peer":
+        return _peer(rest)
     if command == "bench":
         if not rest or rest[0] not in BENCHMARKS:
             print(_usage())

@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -368,7 +369,12 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
     )
 
 
-async def run(settings: PeerSettings) -> int:
+StatsHook = Callable[[Callable[[], dict[str, int]]], object]
+"""Called once the peer listens, with a function returning the pool's stats (for a metrics
+endpoint that a caller outside ``tiers/`` provides: ``kvtier peer --metrics-port``)."""
+
+
+async def run(settings: PeerSettings, on_ready: StatsHook | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -388,15 +394,24 @@ async def run(settings: PeerSettings) -> int:
         f"ready in {time.monotonic() - started:.2f} s\n"
     )
     sys.stdout.flush()
+    if on_ready is not None:
+
+        async def read_stats() -> dict[str, int]:
+            return pool.stats()
+
+        def stats() -> dict[str, int]:  # from another thread: read the pool on its own loop
+            return asyncio.run_coroutine_threadsafe(read_stats(), loop).result(timeout=2.0)
+
+        on_ready(stats)
     await serving
     log.info("stopped")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_ready: StatsHook | None = None) -> int:
     settings = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return uvloop.run(run(settings))
+        return uvloop.run(run(settings, on_ready))
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", settings.host, settings.port, exc)
         return 1

@@ -1,0 +1,361 @@
+"""kvtier's ``OffloadingManager`` behind vLLM's manager interface (scheduler process).
+
+The two contracts are the same by design (lookup / prepare_load / touch / complete_load /
+prepare_store / complete_store / events, one lock held by the caller across a step); this
+adapter adds what only vLLM needs:
+
+- **Group ids.** vLLM keys carry the KV-cache group id of its ``KVCacheConfig``; kvtier's
+  manager numbers the offloaded groups 0..n-1. Keys are translated at the boundary (a
+  no-op when the two agree, as they do unless some group is not offloaded).
+- **Failed promotions stay misses.** vLLM asserts that every device transfer succeeds, so
+  a row that fails to come up from disk or a peer must never reach a load: a lookup that
+  started a promotion answers ``HIT_PENDING``; once the promotion has failed the key is a
+  ``MISS`` (and is not promoted again for ``retry_failed_promotions_s``), so the request
+  recomputes it.
+- **reset_cache.** vLLM forgets its in-flight jobs at a reset and never completes them;
+  their pins and unfinished stores are released here, lower-tier work is drained, and the
+  host tier is emptied. Until vLLM reports the reset's jobs flushed (``on_reset_flushed``)
+  no promotion starts, so no tier writes into a slot a stale store may still be writing.
+  Persisted rows in disk / remote tiers are kept (they are keyed by model and layout).
+- **Events** in vLLM's form (host: ``Medium.CPU``; disk: ``STORAGE``; remote: ``STORAGE``,
+  ``REMOTE``), drained and dropped each step when vLLM does not publish KV events.
+- **Stats**: per-tier counters and latency (``offload.vllm.metrics``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfo,
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from offload.manager import LookupResult as KVTierLookup
+from offload.manager import OffloadingManager as KVTierManager
+from offload.metrics import manager_families
+from offload.tier_engine import OpKind, OpResult
+from offload.vllm.metrics import LatencyRecorder, StatsReporter
+from offload.vllm.worker_adapter import HostRowsSpec
+from tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+
+_LOOKUP = {
+    KVTierLookup.HIT: LookupResult.HIT,
+    KVTierLookup.HIT_PENDING: LookupResult.HIT_PENDING,
+    KVTierLookup.MISS: LookupResult.MISS,
+}
+_MEDIUM = {"host": (Medium.CPU, Locality.LOCAL), "disk": (Medium.STORAGE, Locality.LOCAL)}
+_SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
+_DRAIN_TIMEOUT_S = 10.0
+_FAILED_PROMOTIONS_KEPT = 65536
+
+
+@dataclass(frozen=True)
+class KVTierInfo(ConfigInfo):
+    """Static facts on ``vllm:kv_offload_config_info``."""
+
+    kvtier_tiers: str
+    kvtier_host_slots: int
+    kvtier_row_bytes: int
+    kvtier_blocks_per_chunk: int
+
+
+class KVTierOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        manager: KVTierManager,
+        host: HostTier,
+        *,
+        group_ids: Sequence[int],
+        row_bytes: int,
+        blocks_per_chunk: int,
+        enable_events: bool,
+        retry_failed_promotions_s: float = 60.0,
+    ) -> None:
+        self.manager = manager
+        self.host = host
+        self.row_bytes = row_bytes
+        self.enable_events = enable_events
+        self.retry_failed_promotions_s = retry_failed_promotions_s
+        identity = list(group_ids) == list(range(len(group_ids)))
+        self._to_index = None if identity else {gid: i for i, gid in enumerate(group_ids)}
+        self._to_group_id = None if identity else list(group_ids)
+        # What vLLM may abandon at a reset: pins per key, stores in flight (with start times).
+        self._pins: collections.Counter[OffloadKey] = collections.Counter()
+        self._load_started: dict[OffloadKey, float] = {}
+        self._storing: dict[OffloadKey, float] = {}
+        # Promotions this adapter saw start: key -> (start time, tier kind); failed ones.
+        self._promoting: dict[OffloadKey, tuple[float, str]] = {}
+        self._failed: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
+        self._source: collections.OrderedDict[OffloadKey, str] = collections.OrderedDict()
+        self._reset_pending = False
+        self._flush_pending = False
+        self.latency = LatencyRecorder()
+        self._reporter = StatsReporter()
+        self._info = KVTierInfo(
+            kvtier_tiers=",".join(["host", *(t.kind for t in self._lower_tiers())]),
+            kvtier_host_slots=manager.slots_per_group,
+            kvtier_row_bytes=row_bytes,
+            kvtier_blocks_per_chunk=blocks_per_chunk,
+        )
+        if manager.lower is not None:
+            self._observe_tier_ops()
+
+    @property
+    def lock(self) -> Any:
+        return self.manager.lock
+
+    # -- lookups and loads -------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        key = self._in(key)
+        manager = self.manager
+        if self._reset_pending and not self._retry_reset():
+            return self._miss()
+        manager.poll()
+        if key in self._promoting and not manager.contains(key):
+            self._promotion_failed(key)
+        failed_at = self._failed.get(key)
+        if failed_at is not None:
+            if time.monotonic() - failed_at < self.retry_failed_promotions_s:
+                return self._miss()
+            del self._failed[key]
+        present = manager.contains(key)
+        tier = None
+        if not present:
+            if self._flush_pending:
+                return self._miss()  # no promotion may start until the reset's jobs are flushed
+            tier = self._locate(key)
+        result = manager.lookup(key)
+        if result is KVTierLookup.HIT_PENDING and tier is not None:
+            self._promoting[key] = (time.monotonic(), tier)
+        elif result is KVTierLookup.HIT and key in self._promoting:
+            self._source[key] = self._promoting.pop(key)[1]
+            while len(self._source) > _FAILED_PROMOTIONS_KEPT:
+                self._source.popitem(last=False)
+        return _LOOKUP[result]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return _SOURCE.get(self._source.get(self._in(key), "host"), CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostRowsSpec:
+        inner = [self._in(key) for key in keys]
+        spec = self.manager.prepare_load(inner)
+        now = time.monotonic()
+        for key in inner:
+            self._pins[key] += 1
+            self._load_started.setdefault(key, now)
+        return HostRowsSpec(spec.per_group(self.manager.num_groups))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.manager.touch([self._in(key) for key in keys])
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        inner = [self._in(key) for key in keys]
+        self.manager.complete_load(inner)
+        started = None
+        for key in inner:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+                started = self._load_started.pop(key, started)
+            self._source.pop(key, None)
+        if started is not None:
+            self.latency.observe("load", "host", time.monotonic() - started)
+
+    # -- stores ------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        if self._reset_pending and not self._retry_reset():
+            return None
+        inner = [self._in(key) for key in keys]
+        prepared = self.manager.prepare_store(inner)
+        if prepared is None:
+            return None
+        now = time.monotonic()
+        for key in prepared.keys_to_store:
+            self._storing[key] = now
+            self._failed.pop(key, None)
+            self._promoting.pop(key, None)
+        spec = prepared.store_spec
+        return PrepareStoreOutput(
+            keys_to_store=[self._out(key) for key in prepared.keys_to_store],
+            store_spec=HostRowsSpec(spec.per_group(self.manager.num_groups)),
+            evicted_keys=[self._out(key) for key in prepared.evicted_keys],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        inner = [self._in(key) for key in keys]
+        started = [self._storing.pop(key) for key in inner if key in self._storing]
+        self.manager.complete_store(inner, success=success)
+        if started and success:
+            self.latency.observe("store", "host", time.monotonic() - min(started))
+
+    # -- requests and steps ------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.manager.on_request_finished(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._reset_pending:
+            self._retry_reset()
+        self.manager.poll()
+        if not self.enable_events:
+            self.manager.take_events()  # nobody publishes them: do not let them pile up
+
+    def has_pending_work(self) -> bool:
+        lower = self.manager.lower
+        return self._reset_pending or (lower is not None and lower.engine.inflight() > 0)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self.manager.take_events()
+        if not self.enable_events:
+            return []
+        out = []
+        for event in events:
+            medium, locality = _MEDIUM.get(event.medium, (Medium.STORAGE, Locality.REMOTE))
+            out.append(
+                OffloadingEvent(
+                    keys=[self._out(key) for key in event.keys],
+                    medium=medium,
+                    removed=event.removed,
+                    locality=locality,
+                    ownership=None if event.medium == "host" else f"kvtier-{event.medium}",
+                )
+            )
+        return out
+
+    # -- reset -------------------------------------------------------------------------
+
+    def reset_cache(self) -> None:
+        manager = self.manager
+        for key, pins in self._pins.items():
+            for _ in range(pins):
+                manager.complete_load([key])
+        if self._storing:
+            manager.complete_store(list(self._storing), success=False)
+        self._pins.clear()
+        self._load_started.clear()
+        self._storing.clear()
+        self._promoting.clear()
+        self._failed.clear()
+        self._source.clear()
+        self._flush_pending = True
+        if manager.lower is not None and not manager.lower.engine.wait_idle(_DRAIN_TIMEOUT_S):
+            log.warning("kvtier reset: lower-tier transfers still running after %.0f s", _DRAIN_TIMEOUT_S)
+        self._reset_pending = True
+        if self._retry_reset():
+            log.info("kvtier reset: the host tier is empty")
+
+    def on_reset_flushed(self) -> None:
+        self._flush_pending = False
+        if self._reset_pending:
+            self._retry_reset()
+
+    def _retry_reset(self) -> bool:
+        """Empty the host tier if nothing is in flight any more; until then lookups miss."""
+        if self.manager.reset():
+            self._reset_pending = False
+            return True
+        return False
+
+    # -- stats -------------------------------------------------------------------------
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        families = manager_families(self.manager, self.row_bytes)
+        return self._reporter.report(families, self.latency.take())
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._info.as_config_info()]
+
+    def metrics_text(self) -> str:
+        """The same stats in the Prometheus text format (cumulative)."""
+        from offload.metrics import render
+
+        return render(manager_families(self.manager, self.row_bytes, latency=self.latency.histograms))
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+        self.host.close(unlink=True)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _in(self, key: OffloadKey) -> OffloadKey:
+        if self._to_index is None:
+            return key
+        group = int.from_bytes(key[-4:], "big")
+        return OffloadKey(key[:-4] + self._to_index[group].to_bytes(4, "big"))
+
+    def _out(self, key: bytes) -> OffloadKey:
+        if self._to_group_id is None:
+            return OffloadKey(key)
+        index = int.from_bytes(key[-4:], "big")
+        return OffloadKey(key[:-4] + self._to_group_id[index].to_bytes(4, "big"))
+
+    def _miss(self) -> LookupResult:
+        """A miss the manager did not see (it still counts as a lookup)."""
+        self.manager.stats.lookups += 1
+        return LookupResult.MISS
+
+    def _lower_tiers(self) -> list[Any]:
+        return list(self.manager.lower.tiers) if self.manager.lower is not None else []
+
+    def _locate(self, key: OffloadKey) -> str | None:
+        lower = self.manager.lower
+        if lower is None:
+            return None
+        index = lower.locate(key)
+        return None if index is None else lower.tier_kind(index)
+
+    def _promotion_failed(self, key: OffloadKey) -> None:
+        _start, tier = self._promoting.pop(key)
+        self._failed[key] = time.monotonic()
+        while len(self._failed) > _FAILED_PROMOTIONS_KEPT:
+            self._failed.popitem(last=False)
+        log.info("kvtier: promoting %s from the %s tier failed; it is a miss", key.hex(), tier)
+
+    def _observe_tier_ops(self) -> None:
+        """Record the latency of every lower-tier operation as the manager drains it.
+
+        The chain's ``drain`` is wrapped on this instance only: the manager still sees
+        every result unchanged.
+        """
+        chain = self.manager.lower
+        assert chain is not None
+        drain = chain.drain
+        latency = self.latency
+
+        def observed_drain() -> list[OpResult]:
+            results = drain()
+            for result in results:
+                op = "load" if result.kind is OpKind.GET else "store"
+                latency.observe(op, chain.tier_kind(result.tier), result.seconds)
+            return results
+
+        chain.drain = observed_drain  # type: ignore[method-assign]

@@ -1,0 +1,135 @@
+"""``KVTierOffloadingSpec``: kvtier as a vLLM offloading spec (vLLM 0.33).
+
+.. code-block:: text
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KVTierOffloadingSpec",
+        "spec_module_path": "offload.vllm", "cpu_bytes_to_use": 8589934592,
+        "kvtier_config": "/etc/kvtier/tiers.toml"}}'
+
+vLLM builds the spec in the scheduler process (``get_manager``: the manager, the lower
+tiers and their tier engine) and in every worker process (``get_worker``: device <-> host
+copies). Both map one shared host-tier file (``<shm_dir>/kvtier_<engine_id>.mmap``), sized
+from the configuration alone (``canonical.HostLayout``), so spills and promotions between
+the host tier and disk or peers happen in the scheduler process, next to the manager,
+and never travel through the connector. The scheduler side owns the file and removes it
+at shutdown. Keys settings in ``settings.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches as VllmCanonicalKVCaches
+from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from offload.stack import build_manager
+from offload.vllm.canonical import HostLayout, config_fingerprint, to_kvtier_caches
+from offload.vllm.manager_adapter import KVTierInfo, KVTierOffloadingManager
+from offload.vllm.metrics import metric_definitions
+from offload.vllm.settings import SpecSettings
+from offload.vllm.worker_adapter import KVTierWorker
+from offload.worker import OffloadingWorker
+from tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+
+
+class KVTierOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return KVTierInfo.config_info_keys()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings = SpecSettings.from_extra_config(config.extra_config, model=config.model.name)
+        self.layout = HostLayout.from_config(config)
+        # Byte-identical ranks (MLA under TP) share one band: only rank 0 writes it.
+        self.replicated_layout = config.replicated_layout
+        self.fingerprint = config_fingerprint(config, self.layout)
+        self.shm_path = os.path.join(self.settings.shm_dir, f"kvtier_{config.engine_id}.mmap")
+        self._manager: KVTierOffloadingManager | None = None
+        self._worker: KVTierWorker | None = None
+
+    @property
+    def row_bytes(self) -> list[int]:
+        return [self.layout.row_bytes] * self.layout.num_groups
+
+    def get_manager(self) -> KVTierOffloadingManager:
+        if self._manager is None:
+            settings = self.settings
+            # The scheduler process only bookkeeps and moves rows to and from lower tiers:
+            # it never pins the mapping (that would start a CUDA context here).
+            host = HostTier(
+                self.row_bytes, settings.tiers.host.capacity_bytes, pin=False, shm_path=self.shm_path
+            )
+            try:
+                manager = build_manager(
+                    settings.tiers, host, fingerprint=self.fingerprint, dtype=self.config.model.dtype
+                )
+            except Exception:
+                host.close(unlink=True)
+                raise
+            self._manager = KVTierOffloadingManager(
+                manager,
+                host,
+                group_ids=[group.group_id for group in self.config.groups],
+                row_bytes=self.layout.row_bytes,
+                blocks_per_chunk=self.layout.blocks_per_chunk,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+            log.info(
+                "kvtier: tiers %s (config from %s), %d host rows per group of %d B (%d block(s) per row), "
+                "layout %s, host file %s",
+                [tier.kind for tier in settings.tiers.tiers],
+                settings.config_source,
+                host.num_slots,
+                self.layout.row_bytes,
+                self.layout.blocks_per_chunk,
+                self.fingerprint,
+                self.shm_path,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: VllmCanonicalKVCaches) -> KVTierWorker:
+        if self._worker is None:
+            layout = self.layout
+            caches = to_kvtier_caches(
+                kv_caches, fingerprint=self.fingerprint, block_size=self.config.groups[0].tokens_per_block
+            )
+            if caches.num_groups != layout.num_groups:
+                raise ValueError(
+                    f"vLLM registered KV caches for {caches.num_groups} groups, "
+                    f"its config names {layout.num_groups}"
+                )
+            for group in range(caches.num_groups):
+                if caches.row_bytes(group) > layout.worker_block_bytes:
+                    raise ValueError(
+                        f"group {group}: a block is {caches.row_bytes(group)} B, more than the "
+                        f"{layout.worker_block_bytes} B per block vLLM reported (worker_kv_bytes_per_block)"
+                    )
+            rank = self.config.parallel.rank
+            host = HostTier(self.row_bytes, self.settings.tiers.host.capacity_bytes, shm_path=self.shm_path)
+            worker = OffloadingWorker(
+                caches,
+                host,
+                blocks_per_row=layout.blocks_per_chunk,
+                host_block_bytes=[layout.sub_row_bytes] * layout.num_groups,
+                host_offset_bytes=[layout.band_offset(rank)] * layout.num_groups,
+            )
+            self._worker = KVTierWorker(worker, host)
+            log.info(
+                "kvtier worker (rank %d): %d KV tensors, %s segment(s) per block per group, on %s",
+                rank,
+                len(caches.tensors),
+                [caches.segments_per_block(g) for g in range(caches.num_groups)],
+                caches.device,
+            )
+        return self._worker

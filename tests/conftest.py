@@ -1,0 +1,20 @@
+"""Suite-wide checks.
+
+``make test`` installs vLLM and sets ``KVTIER_REQUIRE_VLLM=1``: there, a vLLM that does not
+import fails the run instead of letting the connector tests skip themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
+        try:
+            importlib.import_module("vllm.v1.kv_offload.base")
+        except Exception as exc:  # any import failure means the connector tests would not run
+            raise pytest.UsageError(f"KVTIER_REQUIRE_VLLM=1 but vLLM does not import: {exc!r}") from exc

@@ -1,0 +1,102 @@
+"""kvtier's disk tier below the host tier, inside vLLM: spills, promotions, and a failed
+promotion that must stay a miss (vLLM asserts every device transfer succeeds)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm.harness import BLOCK_SIZE
+
+PREFIX = list(range(100, 260))  # 10 blocks
+
+
+def disk_toml(tmp_path):
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        f"""
+[[tiers]]
+kind = "host"
+eviction = "lru"
+
+[[tiers]]
+kind = "disk"
+path = "{tmp_path / "disk"}"
+capacity = "64MiB"
+placement = "write-through"
+admission = "all"
+"""
+    )
+    return str(path)
+
+
+def stored_then_host_reset(make_engine, tmp_path):
+    """An engine whose first request's prompt is on disk only (host tier reset, device cache
+    evicted and scrambled)."""
+    engine = make_engine(kvtier_config=disk_toml(tmp_path))
+    first = engine.add(PREFIX + list(range(500, 540)))
+    engine.run()
+    manager = engine.manager.manager
+    assert manager.lower.engine.wait_idle(10)
+    manager.poll()
+    assert manager.lower.stats.spills_done == manager.stats.stored_rows == 12
+    assert engine.scheduler.reset_connector_cache()
+    assert len(manager) == 0
+    engine.evict_device_cache()
+    engine.scramble()
+    return engine, first
+
+
+def test_a_prefix_on_disk_is_promoted_and_loaded_byte_exact(make_engine, tmp_path):
+    engine, _ = stored_then_host_reset(make_engine, tmp_path)
+    again = engine.add(PREFIX + list(range(600, 630)))
+    engine.run()
+
+    record = engine.requests[again]
+    assert record.loaded == [(0, len(PREFIX))]
+    assert not record.computed & set(range(len(PREFIX)))
+    lower = engine.manager.manager.lower
+    assert lower.stats.promotions_done >= len(PREFIX) // BLOCK_SIZE
+    assert lower.stats.promotions_failed == 0
+    text = engine.manager.metrics_text()
+    assert 'kvtier_hits_total{tier="disk"}' in text
+    assert 'kvtier_load_latency_seconds_count{tier="disk"}' in text
+
+
+def test_a_corrupt_row_on_disk_is_a_miss_and_the_prefix_before_it_still_loads(make_engine, tmp_path):
+    engine, first = stored_then_host_reset(make_engine, tmp_path)
+    bad_block = 4
+    key = engine.requests[first].block_hashes[bad_block] + (0).to_bytes(4, "big")
+    disk = engine.manager.manager.lower.tiers[0]
+    assert disk.may_contain(key)
+    flip_a_byte_of_the_row(tmp_path / "disk", engine, first, bad_block)
+
+    again = engine.add(PREFIX + list(range(600, 630)))
+    engine.run()  # vLLM would raise if a failed transfer reached a device load
+
+    record = engine.requests[again]
+    assert record.loaded == [(0, bad_block * BLOCK_SIZE)], "blocks before the corrupt one still load"
+    assert set(range(bad_block * BLOCK_SIZE, len(PREFIX))) <= record.computed, "the rest is recomputed"
+    assert engine.manager.manager.lower.stats.promotions_failed == 1
+    assert disk.stats()["corrupt"] == 1
+    # The request computed its blocks again and stored them: the key is whole once more.
+    assert engine.manager.manager.contains(key)
+
+
+def flip_a_byte_of_the_row(disk_dir, engine, req_id, block):
+    """Corrupt the stored row of ``block`` in the LMDB file (found by its bytes)."""
+    tokens = engine.requests[req_id].prompt
+    # The row starts with the first layer's page of that block: the model's bytes of its first token.
+    probe = engine._expected("layer0", block * BLOCK_SIZE, tokens[block * BLOCK_SIZE])[0].numpy().tobytes()
+    path = disk_dir / "data.mdb"
+    data = path.read_bytes()
+    offset = data.find(probe)
+    assert offset >= 0 and data.find(probe, offset + 1) < 0, "the probe must find exactly the one row"
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([data[offset + 5] ^ 0xFF]), offset + 5)
+    finally:
+        os.close(fd)

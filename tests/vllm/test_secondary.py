@@ -1,0 +1,128 @@
+"""kvtier's disk tier as a secondary tier of vLLM's own ``TieringOffloadingSpec``.
+
+vLLM's CPU primary tier needs CUDA for its worker, so these tests drive vLLM's real
+tiering manager (scheduler side) directly: stores cascade from vLLM's CPU tier into
+kvtier's disk tier, and after a reset a lookup promotes the rows back, byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from offload.vllm.secondary import KVTierDiskTier
+
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def tiering_spec(tmp_path, **tier_keys):
+    tier = {"type": "KVTierDiskTier", "module_path": "offload.vllm.secondary", "path": str(tmp_path / "disk")}
+    tier.update({"capacity": "64MiB", **tier_keys})
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
+        worker_kv_bytes_per_block=8192,
+        enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": 1 << 24, "secondary_tiers": [tier]},
+        engine_id=f"kvtier-test-{uuid.uuid4().hex}",
+        model=OffloadingModelConfig(name="tiny", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+    return TieringOffloadingSpec(config)
+
+
+def settle(manager, done, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the tier did not finish in time"
+        with manager.lock:
+            manager.on_schedule_end(END)
+        time.sleep(0.005)
+
+
+def test_rows_cascade_to_kvtier_disk_and_are_promoted_back_byte_exact(tmp_path):
+    spec = tiering_spec(tmp_path)
+    manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier, KVTierDiskTier)
+        view = manager.primary_tier.get_kv_memoryview()
+        rows = view.cast("B")
+        row = tier.block_size_bytes
+        keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
+        ctx = ReqContext("first")
+        with manager.lock:
+            manager.on_new_request(ctx)
+            out = manager.prepare_store(keys, ctx)
+        written = {}
+        for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+            data = bytes((i * 7 + key[0]) % 256 for i in range(row))
+            rows[int(chunk) * row : (int(chunk) + 1) * row] = data
+            written[key] = data
+        with manager.lock:
+            manager.complete_store(keys, ctx)
+            manager.on_request_finished(ctx)
+        settle(
+            manager, lambda: all(tier.tier.may_contain(k) for k in keys) and not manager.has_pending_work()
+        )
+        stored = [k for e in manager.take_events() if e.ownership == tier.tier_type for k in e.keys]
+        assert sorted(stored) == sorted(keys)
+
+        with manager.lock:
+            manager.reset_cache()
+            manager.on_reset_flushed()
+        rows[:] = bytes(len(rows))  # nothing of the old rows is left in the CPU tier
+
+        ctx = ReqContext("second")
+        with manager.lock:
+            manager.on_new_request(ctx)
+            assert manager.lookup(make_offload_key(b"\xee" * 32, 0), ctx) is LookupResult.MISS
+            assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+
+        def landed():
+            with manager.lock:
+                return manager.lookup(keys[0], ctx) is LookupResult.HIT
+
+        settle(manager, landed)
+        with manager.lock:
+            spec_out = manager.prepare_load([keys[0]], ctx)
+        chunk = int(spec_out.chunk_ids[0])
+        assert bytes(rows[chunk * row : (chunk + 1) * row]) == written[keys[0]]
+        assert tier.tier.stats()["hits"] >= 1
+        with manager.lock:
+            manager.complete_load([keys[0]], ctx)
+            manager.on_request_finished(ctx)
+    finally:
+        manager.shutdown()
+
+
+def test_tier_keys_are_validated_like_the_toml(tmp_path):
+    from offload.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.placment"):
+        tiering_spec(tmp_path, placment="write-back").get_manager()
