@@ -1,0 +1,82 @@
+"""A child process for the disk tier's multi-process tests (run with ``python -m``).
+
+``storm PATH REPORT SEED SYNC``: put batches of rows into a ``DiskTier`` at PATH forever;
+after each batch is committed, append its keys (hex, one line per batch) to REPORT. The
+parent kills it with SIGKILL at a random moment; every key on a complete line of REPORT
+was committed before the kill.
+
+``hold PATH``: open a ``DiskTier`` at PATH, print ``ready``, and hold it until stdin closes
+(a real other process holding the directory lock).
+
+Row contents are a function of the key alone (``expected_row``), so the parent can check
+every row it reads back without being told what was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import sys
+
+import uvloop
+
+from tiers.disk import DiskTier
+
+NAMESPACE = b"storm-namespace!"
+LAYOUT_ID = b"storm-layout-id!"
+KEYS = 300
+ROW_BYTES = (1_000, 9_000, 70_000)  # in a leaf page, just past it, and many overflow pages
+CAPACITY = 64 << 20  # above KEYS x max(ROW_BYTES): nothing is ever evicted
+
+
+def key_of(i: int) -> bytes:
+    """An OffloadKey-shaped key: 32-byte hash + 4-byte group index (the row size class)."""
+    return hashlib.sha256(i.to_bytes(4, "big")).digest() + (i % len(ROW_BYTES)).to_bytes(4, "big")
+
+
+def row_bytes(key: bytes) -> int:
+    return ROW_BYTES[int.from_bytes(key[-4:], "big")]
+
+
+def expected_row(key: bytes) -> bytes:
+    return hashlib.shake_128(key).digest(row_bytes(key))
+
+
+def make_tier(path: str, sync: bool = False) -> DiskTier:
+    return DiskTier(path, CAPACITY, NAMESPACE, LAYOUT_ID, sync=sync)
+
+
+async def storm(path: str, report: str, seed: int, sync: bool) -> None:
+    rng = random.Random(seed)
+    tier = make_tier(path, sync)
+    await tier.open()
+    fd = os.open(report, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    while True:
+        keys = [key_of(rng.randrange(KEYS)) for _ in range(rng.randint(1, 12))]
+        rows = [(key, memoryview(expected_row(key))) for key in keys]
+        stored = await tier.put(rows)
+        done = [key.hex() for key, ok in zip(keys, stored, strict=True) if ok]
+        os.write(fd, (" ".join(done) + "\n").encode())
+
+
+async def hold(path: str) -> None:
+    tier = make_tier(path)
+    await tier.open()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await tier.close()
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "storm":
+        uvloop.run(storm(argv[1], argv[2], int(argv[3]), argv[4] == "1"))
+    elif argv[0] == "hold":
+        uvloop.run(hold(argv[1]))
+    else:
+        raise SystemExit(f"unknown mode {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,490 @@
+"""The disk tier: round trips, restarts, namespaces, eviction, and its failures.
+
+Failures are made for real: values corrupted through LMDB itself, a map too small for a
+batch, a file-size limit standing in for a full disk, a directory locked by another
+process, and a writer process SIGKILLed in the middle of its batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tests.tiers import disk_writer_child as child
+from tiers.base import TierError
+from tiers.disk import DiskTier
+from tiers.lmdb_store import DATA_FILE, INDEX_DB, ROWS_DB
+
+NS_A = b"A" * 16
+NS_B = b"B" * 16
+LAYOUT = b"L" * 16
+OTHER_LAYOUT = b"M" * 16
+REPO = Path(__file__).resolve().parents[2]
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return hashlib.sha256(i.to_bytes(4, "big")).digest() + group.to_bytes(4, "big")
+
+
+def content(k: bytes, n: int) -> bytes:
+    return hashlib.shake_128(k).digest(n)
+
+
+def rows(keys: list[bytes], n: int) -> list[tuple[bytes, memoryview]]:
+    return [(k, memoryview(content(k, n))) for k in keys]
+
+
+def buffers(keys: list[bytes], n: int) -> list[tuple[bytes, memoryview]]:
+    return [(k, memoryview(bytearray(n))) for k in keys]
+
+
+def raw_keys(path: Path, db: bytes) -> set[bytes]:
+    """The keys LMDB holds in ``db``, read without the tier (after it is closed)."""
+    env = lmdb.open(str(path), max_dbs=2, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(db, create=False)) as txn:
+            return set(txn.cursor().iternext(values=False))
+    finally:
+        env.close()
+
+
+@contextlib.asynccontextmanager
+async def opened(path: Path, namespace: bytes = NS_A, layout: bytes = LAYOUT, **kwargs):
+    tier = DiskTier(str(path), kwargs.pop("capacity", 64 << 20), namespace, layout, **kwargs)
+    await tier.open()
+    try:
+        yield tier
+    finally:
+        await tier.close()
+
+
+async def test_round_trip_is_byte_exact_for_every_size(tmp_path):
+    sizes = [0, 1, 100, 2000, 4096, 9000, 300_000]  # empty, in-leaf, at the edge, overflow pages
+    keys = [key(i, group) for group, _ in enumerate(sizes) for i in range(3)]
+    async with opened(tmp_path / "t") as tier:
+        for group, size in enumerate(sizes):
+            batch = [k for k in keys if int.from_bytes(k[-4:], "big") == group]
+            assert await tier.put(rows(batch, size)) == [True] * 3
+        assert all(tier.may_contain(k) for k in keys)
+        assert await tier.contains([*keys[:2], key(99)]) == [True, True, False]
+        for group, size in enumerate(sizes):
+            batch = [k for k in keys if int.from_bytes(k[-4:], "big") == group]
+            out = buffers(batch, size)
+            assert await tier.get(out) == [True] * 3
+            assert [bytes(b) for _, b in out] == [content(k, size) for k in batch]
+        missing = buffers([key(99)], 10)
+        assert await tier.get(missing) == [False]
+        stats = tier.stats()
+    assert stats["hits"] == len(keys) and stats["misses"] == 1 and stats["rows"] == len(keys)
+    assert stats["corrupt"] == stats["dropped"] == 0
+
+
+async def test_restart_is_warm_and_keeps_insertion_order(tmp_path):
+    path = tmp_path / "t"
+    keys = [key(i) for i in range(10)]
+    async with opened(path) as tier:
+        for k in keys:  # one batch each: insertion order k0 .. k9
+            assert await tier.put(rows([k], 5000)) == [True]
+        used = tier.stats()["bytes"]
+    # Room for exactly the ten rows: the next one must evict, and LRU's victim after a
+    # restart is the first row inserted, because the index keeps insertion order.
+    async with opened(path, capacity=used) as tier:
+        assert tier.stats()["rows"] == 10 and tier.stats()["bytes"] == used
+        assert all(tier.may_contain(k) for k in keys)  # known before any read
+        assert await tier.put(rows([key(10)], 5000)) == [True]
+        assert not tier.may_contain(keys[0])
+        out = buffers([*keys[1:], key(10)], 5000)
+        assert await tier.get(out) == [True] * 10
+        assert all(bytes(b) == content(k, 5000) for k, b in out)
+
+
+async def test_two_namespaces_in_one_file_never_see_each_other(tmp_path):
+    path = tmp_path / "t"
+    keys = [key(i) for i in range(4)]
+    async with opened(path, NS_A) as tier:
+        assert all(await tier.put(rows(keys, 3000)))
+    async with opened(path, NS_B) as tier:
+        assert not any(tier.may_contain(k) for k in keys)
+        assert await tier.get(buffers(keys, 3000)) == [False] * 4  # not even a read
+        assert tier.stats()["foreign_rows"] == 4 and tier.stats()["rows"] == 0
+        other = [(k, memoryview(content(k + b"B", 3000))) for k in keys[:2]]
+        assert all(await tier.put(other))
+        out = buffers(keys[:2], 3000)
+        assert all(await tier.get(out))
+        assert [bytes(b) for _, b in out] == [content(k + b"B", 3000) for k in keys[:2]]
+    async with opened(path, NS_A) as tier:
+        out = buffers(keys, 3000)
+        assert all(await tier.get(out))
+        assert [bytes(b) for _, b in out] == [content(k, 3000) for k in keys]
+        assert tier.stats()["foreign_rows"] == 2
+
+
+async def test_a_row_of_another_layout_is_a_miss_and_is_kept(tmp_path):
+    path = tmp_path / "t"
+    async with opened(path) as tier:
+        assert all(await tier.put(rows([key(1)], 3000)))
+    async with opened(path, layout=OTHER_LAYOUT) as tier:
+        assert await tier.get(buffers([key(1)], 3000)) == [False]
+        assert tier.stats()["mismatched"] == 1 and tier.stats()["corrupt"] == 0
+        assert await tier.get(buffers([key(1)], 2999)) == [False]  # nor into a buffer of another size
+    async with opened(path) as tier:
+        out = buffers([key(1)], 3000)
+        assert await tier.get(out) == [True] and bytes(out[0][1]) == content(key(1), 3000)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "tinylfu", "prefix:lru"])
+async def test_eviction_keeps_the_file_within_capacity(tmp_path, policy):
+    path = tmp_path / "t"
+    async with opened(path, capacity=10 * 66_000, eviction=policy) as tier:
+        for i in range(40):
+            assert await tier.put(rows([key(i)], 60_000)) == [True]
+            assert tier.stats()["bytes"] <= tier.capacity_bytes
+            if i % 3 == 0:
+                await tier.get(buffers([key(i)], 60_000))
+        stats = tier.stats()
+        resident = {k for k in (key(i) for i in range(40)) if tier.may_contain(k)}
+    assert stats["rows"] == len(resident) == 40 - stats["evictions"] and stats["rows"] >= 8
+    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + k for k in resident}
+
+
+async def test_lru_eviction_follows_the_policy_and_spares_hits(tmp_path):
+    async with opened(tmp_path / "t", capacity=4 * 66_000) as tier:
+        for i in range(4):
+            await tier.put(rows([key(i)], 60_000))
+        assert all(await tier.get(buffers([key(0)], 60_000)))  # k0 is now the most recent
+        await tier.put(rows([key(4), key(5)], 60_000))
+        assert [tier.may_contain(key(i)) for i in range(6)] == [True, False, False, True, True, True]
+        assert tier.stats()["evictions"] == 2
+
+
+async def test_a_batch_larger_than_the_capacity_stores_what_fits(tmp_path):
+    async with opened(tmp_path / "t", capacity=3 * 66_000) as tier:
+        stored = await tier.put(rows([key(i) for i in range(5)], 60_000))
+        assert stored == [True, True, True, False, False]  # a batch never evicts itself
+        assert tier.stats()["dropped"] == 2 and tier.stats()["bytes"] <= tier.capacity_bytes
+        out = buffers([key(i) for i in range(3)], 60_000)
+        assert all(await tier.get(out))
+
+
+async def test_rows_evicted_for_a_row_that_then_does_not_fit_are_deleted_too(tmp_path):
+    path = tmp_path / "t"
+    x, y, z, w = (key(i) for i in range(4))
+    async with opened(path, capacity=3 * 66_000) as tier:
+        for k in (x, y, z):
+            await tier.put(rows([k], 60_000))
+        # W needs X's and Y's room and Z's too, but Z is in the same batch: W is dropped.
+        batch = [*rows([z], 60_000), (w, memoryview(content(w, 150_000)))]
+        assert await tier.put(batch) == [True, False]
+        assert [tier.may_contain(k) for k in (x, y, z, w)] == [False, False, True, False]
+        assert tier.stats()["evictions"] == 2 and tier.stats()["dropped"] == 1
+    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + z}
+
+
+async def test_random_operations_agree_with_a_model(tmp_path):
+    """Whatever is served is the last row put under its key; the index is the file."""
+    rng = random.Random(3)
+    path = tmp_path / "t"
+    sizes = [700, 5_000, 40_000]
+    latest: dict[bytes, bytes] = {}  # key -> the last row put under it
+    tier = DiskTier(str(path), 12 * 45_000, NS_A, LAYOUT, eviction="s3fifo")
+    await tier.open()
+    for step in range(250):
+        keys = [key(rng.randrange(60), rng.randrange(3)) for _ in range(rng.randint(1, 5))]
+        action = rng.random()
+        if action < 0.5:
+            batch = []
+            for k in keys:
+                row = content(k + step.to_bytes(4, "big"), sizes[int.from_bytes(k[-4:], "big")])
+                batch.append((k, memoryview(row)))
+            stored = await tier.put(batch)
+            for (k, row), ok in zip(batch, stored, strict=True):
+                if ok:
+                    latest[k] = bytes(row)
+        elif action < 0.9:
+            out = [(k, memoryview(bytearray(sizes[int.from_bytes(k[-4:], "big")]))) for k in keys]
+            indexed = [tier.may_contain(k) for k in keys]
+            hits = await tier.get(out)
+            assert hits == indexed  # nothing runs concurrently here: the index is exact
+            assert all(bytes(buf) == latest[k] for (k, buf), hit in zip(out, hits, strict=True) if hit)
+        else:
+            await tier.delete(keys)
+            assert not any(tier.may_contain(k) for k in keys)
+        assert tier.stats()["bytes"] <= tier.capacity_bytes
+        if step == 125:  # a restart in the middle changes nothing
+            await tier.close()
+            tier = DiskTier(str(path), 12 * 45_000, NS_A, LAYOUT, eviction="s3fifo")
+            await tier.open()
+    resident = {k for k in latest if tier.may_contain(k)}
+    assert tier.stats()["rows"] == len(resident) > 0 and tier.stats()["corrupt"] == 0
+    await tier.close()
+    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + k for k in resident}
+
+
+@pytest.mark.parametrize("where", ["row", "header", "truncated"])
+async def test_a_corrupt_value_is_a_miss_and_is_deleted(tmp_path, where):
+    path = tmp_path / "t"
+    keys = [key(1), key(2)]
+    async with opened(path) as tier:
+        assert all(await tier.put(rows(keys, 20_000)))
+    env = lmdb.open(str(path), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(ROWS_DB)) as txn:
+        value = bytearray(txn.get(NS_A + keys[0]))
+        if where == "row":
+            value[40 + 12_345] ^= 0x10
+        elif where == "header":
+            value[0] ^= 0x01  # the magic
+        else:
+            del value[-100:]
+        txn.put(NS_A + keys[0], bytes(value))
+    env.close()
+    async with opened(path) as tier:
+        out = buffers(keys, 20_000)
+        assert await tier.get(out) == [False, True]
+        assert bytes(out[1][1]) == content(keys[1], 20_000)
+        stats = tier.stats()
+        assert stats["corrupt"] == 1 and stats["rows"] == 1
+        assert not tier.may_contain(keys[0]) and await tier.contains(keys) == [False, True]
+        assert await tier.get(buffers(keys[:1], 20_000)) == [False]
+        assert tier.stats()["corrupt"] == 1  # counted once: the row is gone
+    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + keys[1]}
+
+
+def overflow_page(tier: DiskTier, k: bytes) -> int | None:
+    """Where the tier's reader finds ``k``'s value (its first overflow page), as it reads."""
+    store = tier._store
+    with store.env.begin(db=store._rows, buffers=True) as txn:
+        found = store._find(txn.cursor(), NS_A + k)
+    assert found is not None
+    return found[1]
+
+
+async def test_large_rows_are_read_at_their_file_offset(tmp_path, caplog):
+    path = tmp_path / "t"
+    async with opened(path) as tier:
+        await tier.put(rows([key(1)], 300_000) + rows([key(2)], 100))
+        page = overflow_page(tier, key(1))
+        assert page is not None and overflow_page(tier, key(2)) is None  # a small row has none
+        out = buffers([key(1)], 300_000)
+        assert await tier.get(out) == [True] and bytes(out[0][1]) == content(key(1), 300_000)
+    assert "reading through LMDB" not in caplog.text
+    with open(path / DATA_FILE, "rb") as f:  # the row really is there, after the page header
+        f.seek(page * 4096 + 16 + 40)
+        assert f.read(300_000) == content(key(1), 300_000)
+
+
+async def test_a_wrong_offset_falls_back_to_reading_through_lmdb(tmp_path, monkeypatch, caplog):
+    async with opened(tmp_path / "t") as tier:
+        await tier.put(rows([key(1), key(2)], 300_000))
+        real = type(tier._store)._locate
+
+        def off_by_one(self, k):
+            length, page = real(self, k)
+            return length, page + 1
+
+        monkeypatch.setattr(type(tier._store), "_locate", off_by_one)
+        out = buffers([key(1), key(2)], 300_000)
+        assert await tier.get(out) == [True, True]
+        assert [bytes(b) for _, b in out] == [content(k, 300_000) for k in (key(1), key(2))]
+    assert "unexpected overflow page" in caplog.text
+
+
+async def test_bytes_flipped_in_the_file_are_caught_by_the_checksum(tmp_path):
+    path = tmp_path / "t"
+    async with opened(path) as tier:
+        await tier.put(rows([key(1), key(2)], 300_000))
+        page = overflow_page(tier, key(1))
+    assert page is not None
+    with open(path / DATA_FILE, "r+b") as f:  # bit rot under LMDB's feet
+        f.seek(page * 4096 + 16 + 40 + 123_456)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+    async with opened(path) as tier:
+        out = buffers([key(1), key(2)], 300_000)
+        assert await tier.get(out) == [False, True]
+        assert tier.stats()["corrupt"] == 1 and not tier.may_contain(key(1))
+    assert raw_keys(path, ROWS_DB) == {NS_A + key(2)}
+
+
+async def test_map_full_drops_the_batch_and_the_tier_goes_on(tmp_path):
+    # A map with no margin: the first batch fits, but replacing all of it in one
+    # transaction needs the old and the new pages at once (copy-on-write).
+    async with opened(tmp_path / "t", capacity=1 << 20, map_margin_bytes=0) as tier:
+        first = [key(i) for i in range(12)]
+        assert all(await tier.put(rows(first, 64_000)))
+        second = [key(i) for i in range(100, 112)]
+        assert await tier.put(rows(second, 64_000)) == [False] * 12
+        stats = tier.stats()
+        assert stats["dropped"] == 12 and stats["write_errors"] == 1 and stats["evictions"] == 0
+        out = buffers(first, 64_000)  # the would-be victims are all still there
+        assert all(await tier.get(out)) and all(bytes(b) == content(k, 64_000) for k, b in out)
+        assert await tier.put(rows([key(200)], 500)) == [True]
+        out = buffers([key(200)], 500)
+        assert all(await tier.get(out)) and bytes(out[0][1]) == content(key(200), 500)
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """A full disk, as the process sees it: writes past ``limit`` bytes fail (EFBIG)."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+async def test_a_full_disk_drops_stores_and_nothing_crashes(tmp_path):
+    path = tmp_path / "t"
+    async with opened(path) as tier:
+        assert all(await tier.put(rows([key(0)], 1000)))
+        with file_size_limit(os.path.getsize(path / DATA_FILE)):
+            stored = await tier.put(rows([key(i) for i in range(1, 9)], 64_000))
+        assert stored == [False] * 8
+        assert tier.stats()["dropped"] == 8 and tier.stats()["write_errors"] == 1
+        assert not tier.may_contain(key(1))
+        assert all(await tier.put(rows([key(1)], 64_000)))  # room again: it works
+        out = buffers([key(0)], 1000) + buffers([key(1)], 64_000)
+        assert await tier.get(out[:1]) == [True] and await tier.get(out[1:]) == [True]
+        assert bytes(out[1][1]) == content(key(1), 64_000)
+
+
+async def test_delete_removes_rows_from_index_and_file(tmp_path):
+    path = tmp_path / "t"
+    keys = [key(i) for i in range(3)]
+    async with opened(path) as tier:
+        await tier.put(rows(keys, 5000))
+        await tier.delete([keys[0], keys[2], key(99)])
+        assert [tier.may_contain(k) for k in keys] == [False, True, False]
+        assert await tier.get(buffers(keys, 5000)) == [False, True, False]
+        assert tier.stats()["deleted"] == 2 and tier.stats()["rows"] == 1
+    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + keys[1]}
+
+
+async def test_concurrent_puts_gets_and_deletes_stay_consistent(tmp_path):
+    keys = [key(i) for i in range(40)]
+    async with opened(tmp_path / "t", capacity=30 * 12_000, read_threads=3) as tier:
+        await tier.put(rows(keys[:20], 10_000))
+        outs = [buffers(keys[i : i + 10], 10_000) for i in range(0, 40, 10)]
+        results = await asyncio.gather(
+            tier.put(rows(keys[20:30], 10_000)),
+            *(tier.get(out) for out in outs),
+            tier.delete(keys[5:8]),
+            tier.put(rows(keys[30:], 10_000)),
+        )
+        for out, hits in zip(outs, results[1:5], strict=True):
+            for (k, b), hit in zip(out, hits, strict=True):
+                assert not hit or bytes(b) == content(k, 10_000)
+        assert tier.stats()["bytes"] <= tier.capacity_bytes and tier.stats()["corrupt"] == 0
+        final = buffers(keys, 10_000)
+        hits = await tier.get(final)
+        assert hits == [tier.may_contain(k) for k in keys]
+        assert all(bytes(b) == content(k, 10_000) for (k, b), hit in zip(final, hits, strict=True) if hit)
+
+
+async def test_an_unusable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TierError, match=r"a-file/disk.*cannot create the directory"):
+        await DiskTier(str(blocker / "disk"), 1 << 20, NS_A, LAYOUT).open()
+
+
+async def test_a_read_only_directory_is_a_clear_error(tmp_path):
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() == 0:  # root ignores permission bits, not the immutable flag
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("running as root and chattr +i is not available here")
+        undo = ["chattr", "-i", str(path)]
+    else:
+        path.chmod(0o555)
+        undo = ["chmod", "755", str(path)]
+    try:
+        with pytest.raises(TierError, match=r"ro'.*not writable"):
+            await DiskTier(str(path), 1 << 20, NS_A, LAYOUT).open()
+    finally:
+        subprocess.run(undo, check=True)
+
+
+async def test_a_second_open_in_this_process_is_refused(tmp_path):
+    async with opened(tmp_path / "t"):
+        with pytest.raises(TierError, match=f"locked by process {os.getpid()}"):
+            await DiskTier(str(tmp_path / "t"), 1 << 20, NS_B, LAYOUT).open()
+
+
+def spawn_child(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "tests.tiers.disk_writer_child", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, **kwargs)
+
+
+@pytest.mark.multiprocess
+async def test_multiprocess_a_directory_locked_by_another_process_is_a_clear_error(tmp_path):
+    path = tmp_path / "t"
+    holder = spawn_child("hold", str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with pytest.raises(TierError, match=f"{path}.*locked by process {holder.pid}"):
+            await child.make_tier(str(path)).open()
+    finally:
+        holder.kill()
+        holder.wait()
+    tier = child.make_tier(str(path))  # a dead holder's lock dies with it
+    await tier.open()
+    await tier.close()
+
+
+def committed_keys(report: Path) -> set[bytes]:
+    """Keys on complete lines of the child's report: each line was written after a commit."""
+    text = report.read_text() if report.exists() else ""
+    lines = text.split("\n")[:-1]  # a line cut by the kill has no newline: not counted
+    return {bytes.fromhex(word) for line in lines for word in line.split()}
+
+
+@pytest.mark.multiprocess
+async def test_multiprocess_sigkill_in_a_write_storm_loses_no_commit_and_tears_no_row(tmp_path):
+    path, report = tmp_path / "t", tmp_path / "report"
+    rng = random.Random(7)
+    all_keys = [child.key_of(i) for i in range(child.KEYS)]
+    rounds, killed_mid_run = 20, 0
+    for round_ in range(rounds):
+        before = report.stat().st_size if report.exists() else 0
+        writer = spawn_child("storm", str(path), str(report), str(round_), str(round_ % 2))
+        deadline = time.monotonic() + 30
+        while (not report.exists() or report.stat().st_size == before) and writer.poll() is None:
+            assert time.monotonic() < deadline, "the writer never committed a batch"
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(rng.uniform(0, 0.05))  # kill at a random moment of the storm
+        writer.send_signal(signal.SIGKILL)
+        killed_mid_run += writer.wait() == -signal.SIGKILL
+        committed = committed_keys(report)
+        tier = child.make_tier(str(path))
+        await tier.open()
+        try:
+            present = [k for k in all_keys if tier.may_contain(k)]
+            assert committed <= set(present), f"round {round_}: committed rows lost"
+            out = [(k, memoryview(bytearray(child.row_bytes(k)))) for k in all_keys]
+            hits = await tier.get(out)
+            assert hits == [k in present for k in all_keys], f"round {round_}: an indexed row did not read"
+            for (k, buf), hit in zip(out, hits, strict=True):
+                assert not hit or bytes(buf) == child.expected_row(k), f"round {round_}: a row is not exact"
+            assert tier.stats()["corrupt"] == 0
+        finally:
+            await tier.close()
+        assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB)
+    assert killed_mid_run == rounds  # every child died of the SIGKILL, mid-storm
+    assert len(committed_keys(report)) > child.KEYS // 2  # the storms did write

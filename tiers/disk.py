@@ -1,0 +1,431 @@
+"""The disk tier: rows in one LMDB file, persistent across restarts, checksummed, bounded.
+
+Key: ``namespace + block key``. Value: the 40-byte ``RowHeader`` (format version, layout
+id, row length, xxh3 checksum) followed by the row. A row is served only when its header
+matches this tier's layout and its checksum matches the bytes copied out; a torn, flipped
+or foreign value is a miss, never garbage (a corrupt one is deleted and counted).
+
+Threading (see ``LowerTier``): the coroutines run on the tier engine's event loop; LMDB
+work runs on executor threads the tier owns. Every write (a ``put`` batch, a ``delete``, the
+removal of a corrupt row) runs on **one** writer thread, in submission order, so there is
+one write transaction at a time and the in-memory index changes in the order the file
+does. Reads run on a small reader pool, each chunk of a ``get`` in its own read transaction
+(LMDB readers never block the writer, nor each other). The bookkeeping (``DiskIndex``:
+key -> bytes, and the eviction policy) is shared by those threads under one mutex, held
+only for bookkeeping, never across I/O; ``may_contain`` and ``stats`` read without it.
+
+A cancelled ``put``/``get``/``delete`` coroutine does not cancel the executor work it
+started: a batch is committed (or not) and booked as a whole, and a ``get`` may still write
+into its buffers until its read finishes, so the caller keeps those slots until then.
+
+Capacity: ``capacity_bytes`` bounds the bytes the file spends on this namespace's rows
+(``lmdb_store.entry_bytes``: overflow pages exactly, B-tree leaf nodes estimated), less any
+rows of other namespaces found in the file (they are never served, never evicted by this
+tier, and counted in ``stats()``). The eviction policy (any of ``policies/``) chooses
+victims; they are deleted in the same transaction that stores the batch needing the room.
+
+The LMDB map is ``capacity + margin``. The margin is what LMDB needs beyond the rows: its
+B-tree and free-list pages, and the pages of the last two transactions (copy-on-write:
+pages freed by a commit are reused only once no snapshot can see them, so a batch's new
+rows and the rows it evicts, and the previous batch's, coexist for a moment). The default,
+``capacity // 16 + 64 MiB`` (1 GiB for a 15 GiB tier), holds batches of a few hundred MiB;
+a batch that does not fit fails with ``MapFullError``: its stores are dropped and counted,
+nothing else changes.
+
+Restart: the index is rebuilt at ``open`` from LMDB's small ``index`` database (value
+lengths and insertion order; no row is read), so a restart is warm, and the policy is
+re-populated in insertion order (hits are not persisted: that would cost a write per hit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import lmdb
+
+from policies import make_policy
+from tiers.base import LowerTier, Row, TierError
+from tiers.dir_lock import DirLock
+from tiers.disk_index import DiskIndex
+from tiers.lmdb_store import LmdbStore, ReadOutcome, entry_bytes
+from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_BYTES = 16
+"""The namespace digest's length (``offload.namespace``); fixed, so no namespace's key range
+can contain another's."""
+OFFLOAD_KEY_BYTES = 36  # a block hash (32) + a KV-group index (4), to size the policy
+
+_MiB = 1 << 20
+_T = TypeVar("_T")
+_COUNTERS = (
+    "hits",
+    "misses",
+    "stored",
+    "dropped",
+    "evictions",
+    "deleted",
+    "corrupt",
+    "mismatched",
+    "write_errors",
+    "read_errors",
+)
+_MISMATCHED = (ReadOutcome.MISMATCH, ReadOutcome.WRONG_LENGTH)
+
+
+def default_map_margin(capacity_bytes: int) -> int:
+    """LMDB's room beyond the rows (see the module docstring)."""
+    return capacity_bytes // 16 + 64 * _MiB
+
+
+class DiskTier(LowerTier):
+    """Rows of one namespace and layout in an LMDB environment at directory ``path``.
+
+    ``sync``: whether each commit is flushed to the device (``fsync``) before ``put``
+    returns. Either way a commit is atomic and a *process* crash (SIGKILL included) never
+    loses a committed batch, nor leaves a partial one: the data is in the kernel's page
+    cache and LMDB's meta page is written last. Only an OS crash or power loss can lose the
+    batches committed since the last flush with ``sync=False`` (the file stays consistent).
+
+    ``eviction``/``eviction_params``: any policy of ``policies/`` (``make_policy``).
+    ``map_margin_bytes``: LMDB's room beyond the capacity (default ``default_map_margin``).
+    ``row_bytes``: the usual row size, to size the policy in rows from the start (ARC,
+    S3-FIFO and W-TinyLFU size their segments from it); by default it is learned from the
+    rows found at open, or the first row stored. ``read_threads``: the reader pool's size.
+    """
+
+    kind = "disk"
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        namespace: bytes,
+        layout_id: bytes,
+        *,
+        eviction: str = "lru",
+        eviction_params: dict[str, Any] | None = None,
+        sync: bool = False,
+        map_margin_bytes: int | None = None,
+        row_bytes: int | None = None,
+        read_threads: int = 4,
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
+        if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
+            raise ValueError(f"disk tier namespace must be {NAMESPACE_BYTES} bytes, got {namespace!r}")
+        if not isinstance(layout_id, bytes) or len(layout_id) != LAYOUT_ID_BYTES:
+            raise ValueError(f"disk tier layout id must be {LAYOUT_ID_BYTES} bytes, got {layout_id!r}")
+        if read_threads < 1:
+            raise ValueError(f"disk tier read_threads must be >= 1, got {read_threads!r}")
+        margin = default_map_margin(capacity_bytes) if map_margin_bytes is None else map_margin_bytes
+        if margin < 0:
+            raise ValueError(f"disk tier map_margin_bytes must be >= 0, got {map_margin_bytes!r}")
+        self.eviction = eviction
+        self.eviction_params = dict(eviction_params or {})
+        make_policy(eviction, 1, **self.eviction_params)  # a bad name or parameter fails here, not at open
+        self.path = os.path.abspath(path)
+        self.capacity_bytes = capacity_bytes
+        self.namespace = namespace
+        self.layout_id = layout_id
+        self.sync = sync
+        self.row_bytes = row_bytes
+        self.read_threads = read_threads
+        self.map_size = -(-(capacity_bytes + margin) // _MiB) * _MiB
+        self._store = LmdbStore(self.path, self.map_size, sync=sync)
+        self._dir_lock = DirLock(self.path)
+        self._index = self._new_index()
+        self._foreign_rows = 0
+        self._foreign_bytes = 0
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._writer: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._warned: set[str] = set()
+
+    def _new_index(self, page_size: int = 4096) -> DiskIndex:
+        row_entry = None
+        if self.row_bytes is not None:
+            row_entry = entry_bytes(
+                NAMESPACE_BYTES + OFFLOAD_KEY_BYTES, HEADER_BYTES + self.row_bytes, page_size
+            )
+        return DiskIndex(self.capacity_bytes, self.eviction, self.eviction_params, row_entry)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def open(self, host_buffer: memoryview | None = None) -> None:
+        """Lock the directory, open LMDB, rebuild the index; ``TierError`` if unusable."""
+        if self._writer is not None:
+            raise TierError(f"disk tier at {self.path!r} is already open")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-write")
+        self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kvtier-disk-read")
+        try:
+            await self._on_writer(self._open_blocking)
+        except BaseException:
+            await asyncio.get_running_loop().run_in_executor(None, self._shutdown_blocking)
+            raise
+
+    def _open_blocking(self) -> None:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise TierError(f"disk tier at {self.path!r}: cannot create the directory: {exc}") from exc
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise TierError(f"disk tier at {self.path!r}: the directory is not writable by this process")
+        self._dir_lock.acquire()
+        self._store.open()
+        own, self._foreign_rows, self._foreign_bytes = self._store.scan(self.namespace)
+        index = self._new_index(self._store.page_size)  # a reopened tier starts from the file
+        index.load([(entry.key, entry.size, entry.seq) for entry in own], self._foreign_bytes)
+        self._index = index
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        if self._foreign_rows:
+            log.warning(
+                "disk tier at %s: %d rows (%.1f MiB) of other namespaces in the file; never served, "
+                "and they reduce this namespace's capacity",
+                self.path,
+                self._foreign_rows,
+                self._foreign_bytes / _MiB,
+            )
+        self._shrink_to_capacity()
+        log.info(
+            "disk tier at %s: %d rows, %.1f of %.1f MiB, map %.1f MiB, sync=%s, eviction=%s",
+            self.path,
+            len(index),
+            index.used / _MiB,
+            self.capacity_bytes / _MiB,
+            self.map_size / _MiB,
+            self.sync,
+            self.eviction,
+        )
+
+    def _shrink_to_capacity(self) -> None:
+        """Evict rows beyond the capacity found at open (the capacity was lowered)."""
+        with self._index.mutex:
+            victims = self._index.excess()
+        if not victims:
+            return
+        try:
+            self._store.write([self.namespace + key for key in victims], [], self.layout_id)
+        except lmdb.Error as exc:
+            raise TierError(f"disk tier at {self.path!r}: cannot shrink to the capacity: {exc}") from exc
+        with self._index.mutex:
+            self._index.book([], [], victims)
+            self._counters["evictions"] += len(victims)
+        log.info("disk tier at %s: evicted %d rows down to the capacity", self.path, len(victims))
+
+    async def close(self) -> None:
+        """Wait for work in flight, then release LMDB and the directory lock."""
+        if self._writer is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self._shutdown_blocking)
+
+    def _shutdown_blocking(self) -> None:
+        for pool in (self._writer, self._readers):
+            if pool is not None:
+                pool.shutdown(wait=True)  # no LMDB call may outlive the environment
+        self._writer = self._readers = None
+        self._store.close()
+        self._dir_lock.release()
+
+    # -- queries -------------------------------------------------------------------------
+
+    def may_contain(self, key: bytes) -> bool:
+        """Exact, from the index: no other process writes this file (the directory lock)."""
+        return key in self._index
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """As ``may_contain``: the index is authoritative here (a row may still turn out
+        corrupt when read, which is a miss then)."""
+        return [key in self._index for key in keys]
+
+    def stats(self) -> dict[str, float]:
+        stats: dict[str, float] = dict(self._counters)
+        stats.update(
+            rows=len(self._index),
+            bytes=self._index.used,
+            capacity_bytes=self.capacity_bytes,
+            map_size=self.map_size,
+            foreign_rows=self._foreign_rows,
+            foreign_bytes=self._foreign_bytes,
+        )
+        return stats
+
+    # -- writes --------------------------------------------------------------------------
+
+    async def put(self, rows: Sequence[Row]) -> list[bool]:
+        """Store the rows in one transaction, evicting to stay within capacity.
+
+        ``False`` for a row that was dropped: larger than the capacity, no evictable room,
+        or its batch's commit failed (map full, disk full, I/O error). Never raises for
+        those; they are counted in ``dropped``.
+        """
+        batch = [(key, _byte_view(row, writable=False)) for key, row in rows]
+        return await self._on_writer(self._put_blocking, batch)
+
+    def _put_blocking(self, rows: list[tuple[bytes, memoryview]]) -> list[bool]:
+        page = self._store.page_size
+        max_key = self._store.env.max_key_size() - NAMESPACE_BYTES
+        sizes = [
+            (key, entry_bytes(NAMESPACE_BYTES + len(key), HEADER_BYTES + len(row), page))
+            for key, row in rows
+            if 0 < len(key) <= max_key
+        ]
+        keys = [key for key, _ in sizes]
+        views = [row for key, row in rows if 0 < len(key) <= max_key]
+        with self._index.mutex:
+            used_before = self._index.used
+            planned, victims = self._index.plan(sizes)
+        if planned or victims:  # victims of a row that did not fit after all go too
+            try:
+                self._store.write(
+                    [self.namespace + key for key in victims],
+                    [(self.namespace + keys[row.index], views[row.index], row.seq) for row in planned],
+                    self.layout_id,
+                )
+            except lmdb.Error as exc:
+                with self._index.mutex:
+                    self._index.undo(victims, used_before)
+                    self._counters["write_errors"] += 1
+                self._warn_once(
+                    type(exc).__name__, "disk tier at %s: a batch of %d rows dropped: %s", exc, len(planned)
+                )
+                planned = []
+            else:
+                with self._index.mutex:
+                    self._index.book(keys, planned, victims)
+                    self._counters["evictions"] += len(victims)
+                    self._counters["stored"] += len(planned)
+        stored = {keys[row.index] for row in planned}
+        results = [key in stored for key, _ in rows]
+        with self._index.mutex:
+            self._counters["dropped"] += results.count(False)
+        return results
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove rows (absent keys are ignored); a failed delete is logged, never raised."""
+        await self._on_writer(self._delete_blocking, list(keys))
+
+    def _delete_blocking(self, keys: list[bytes]) -> None:
+        present = [key for key in dict.fromkeys(keys) if key in self._index]
+        if not present:
+            return
+        try:
+            self._store.write([self.namespace + key for key in present], [], self.layout_id)
+        except lmdb.Error as exc:
+            with self._index.mutex:
+                self._counters["write_errors"] += 1
+            self._warn_once(
+                type(exc).__name__, "disk tier at %s: a delete of %d rows failed: %s", exc, len(present)
+            )
+            return
+        with self._index.mutex:
+            self._index.forget(present)
+            self._counters["deleted"] += len(present)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    async def get(self, rows: Sequence[Row]) -> list[bool]:
+        """Copy stored rows into the given buffers; ``True`` only for a verified row.
+
+        Keys not in the index are misses without I/O. The rest are read in up to
+        ``read_threads`` chunks at once. A corrupt row is deleted (on the writer thread,
+        re-checked there) before this returns.
+        """
+        results = [False] * len(rows)
+        wanted = [
+            (i, key, _byte_view(dst, writable=True))
+            for i, (key, dst) in enumerate(rows)
+            if key in self._index
+        ]
+        misses = len(rows) - len(wanted)
+        if wanted:
+            loop = asyncio.get_running_loop()
+            readers = self._pool(self._readers)
+            step = -(-len(wanted) // min(self.read_threads, len(wanted)))
+            chunks = [wanted[at : at + step] for at in range(0, len(wanted), step)]
+            outcomes = await asyncio.gather(
+                *(loop.run_in_executor(readers, self._read_blocking, chunk) for chunk in chunks)
+            )
+            corrupt: list[bytes] = []
+            for chunk, chunk_outcomes in zip(chunks, outcomes, strict=True):
+                for (i, key, _), outcome in zip(chunk, chunk_outcomes, strict=True):
+                    results[i] = outcome is ReadOutcome.HIT
+                    if outcome is ReadOutcome.CORRUPT:
+                        corrupt.append(key)
+            if corrupt:
+                await self._on_writer(self._drop_corrupt_blocking, corrupt)
+        with self._index.mutex:
+            self._counters["misses"] += misses
+        return results
+
+    def _read_blocking(self, chunk: list[tuple[int, bytes, memoryview]]) -> list[ReadOutcome]:
+        try:
+            outcomes = self._store.read_into(
+                [(self.namespace + key, dst) for _, key, dst in chunk], self.layout_id
+            )
+        except lmdb.Error as exc:
+            with self._index.mutex:
+                self._counters["read_errors"] += 1
+                self._counters["misses"] += len(chunk)
+            self._warn_once("read", "disk tier at %s: a read of %d rows failed: %s", exc, len(chunk))
+            return [ReadOutcome.ERROR] * len(chunk)
+        with self._index.mutex:
+            hits = [key for (_, key, _), out in zip(chunk, outcomes, strict=True) if out is ReadOutcome.HIT]
+            self._index.hit(reversed(hits))  # tail first, as the policy contract asks
+            self._counters["hits"] += len(hits)
+            for outcome in outcomes:
+                if outcome is not ReadOutcome.HIT:
+                    self._counters["misses"] += 1
+                    self._counters["mismatched"] += outcome in _MISMATCHED
+                    self._counters["read_errors"] += outcome is ReadOutcome.ERROR
+        for (_, key, _), outcome in zip(chunk, outcomes, strict=True):
+            if outcome is ReadOutcome.CORRUPT:
+                log.warning(
+                    "disk tier at %s: corrupt row %s (checksum or header), deleting it", self.path, key.hex()
+                )
+        return outcomes
+
+    def _drop_corrupt_blocking(self, keys: list[bytes]) -> None:
+        try:
+            deleted = self._store.delete_corrupt([self.namespace + key for key in keys], self.layout_id)
+        except lmdb.Error as exc:
+            with self._index.mutex:
+                self._counters["write_errors"] += 1
+            self._warn_once("corrupt", "disk tier at %s: deleting %d corrupt rows failed: %s", exc, len(keys))
+            return
+        with self._index.mutex:
+            self._index.forget([key[NAMESPACE_BYTES:] for key in deleted])
+            self._counters["corrupt"] += len(deleted)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _pool(self, pool: ThreadPoolExecutor | None) -> ThreadPoolExecutor:
+        if pool is None:
+            raise TierError(f"disk tier at {self.path!r} is not open")
+        return pool
+
+    async def _on_writer(self, func: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool(self._writer), func, *args)
+
+    def _warn_once(self, kind: str, message: str, exc: BaseException, count: int) -> None:
+        """A failing disk fails every batch: warn on the first, then only at debug level."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(level, message, self.path, count, exc)
+
+
+def _byte_view(buffer: Any, *, writable: bool) -> memoryview:
+    """A flat byte view of a host row (a memoryview, bytes, or any C-contiguous buffer)."""
+    view = memoryview(buffer)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if writable and view.readonly:
+        raise ValueError("get needs writable row buffers")
+    return view
