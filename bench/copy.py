@@ -12,7 +12,6 @@ GB/s, the baseline's GB/s, their ratios and segments per block.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.report import write_json
 from offload.layout import canonicalize
 from offload.worker import OffloadingWorker
 from tiers.host import HostTier
@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "layouts": {layout: asdict(fig) for layout, fig in results.items()},
         }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, payload)
     return 0
 
 

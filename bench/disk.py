@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 import uvloop
 
+from bench.report import write_json
 from tiers.disk import DiskTier
 from tiers.lmdb_store import DATA_FILE
 
@@ -283,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "policies": {name: asdict(fig) for name, fig in results.items()},
         }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, payload)
     return 0
 
 

@@ -17,7 +17,6 @@ the same for every policy and is printed once per trace.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import shlex
 import sys
@@ -26,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.report import write_json
 from bench.simulate import SimResult, TierSpec, device_prefix_hits, opt_hits, simulate
 from bench.traces import GENERATORS, REAL_TRACE, Request, generate, load_jsonl, trace_stats
 
@@ -328,9 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "throughput": throughput,
             "targets": summary,
         }
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(payload, out, indent=2, default=float)
-        print(f"\nwrote {args.json}")
+        write_json(args.json, payload)
     return 0
 
 

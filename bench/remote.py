@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
 import os
 import platform
 import select
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
+from bench.report import write_json
 from tiers.fast_checksum import checksum_at
 from tiers.nixl_agent import create_agent, descriptors
 from tiers.remote import RemoteTier
@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": TARGET,
             **fig,
         }
-        Path(args.json).write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.json}")
+        write_json(args.json, payload)
     return 0
 
 

@@ -28,7 +28,6 @@ every error is a ``ConfigError`` naming the key path and the value at fault.
 
 from __future__ import annotations
 
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -36,24 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from policies import make_policy
+from tiers import sizes
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names key and value."""
 
-
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 TIER_KINDS = ("host", "disk", "remote")
 PLACEMENTS = ("write-back", "write-through")
@@ -62,23 +49,12 @@ ADMISSIONS = ("all", "seen-twice")
 
 def parse_size(value: Any, where: str) -> int:
     """Bytes from an int or a string with a unit (``8GiB``, ``512MB``, ``1.5GiB``)."""
-    if isinstance(value, bool):
+    if not isinstance(value, int | str) or isinstance(value, bool):
         raise ConfigError(f"{where} = {value!r}: expected a size such as '8GiB' or a number of bytes")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str) and (match := _SIZE.match(value)):
-        number, unit = match.groups()
-        scale = _UNITS.get(unit.upper() or "B")
-        if scale is None:
-            raise ConfigError(
-                f"{where} = {value!r}: unknown unit {unit!r}; use one of B, KB, MB, GB, KiB, MiB, GiB, TiB"
-            )
-        size = int(float(number) * scale)
-    else:
-        raise ConfigError(f"{where} = {value!r}: expected a size such as '8GiB' or a number of bytes")
-    if size <= 0:
-        raise ConfigError(f"{where} = {value!r}: a size must be positive")
-    return size
+    try:
+        return sizes.parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where} = {value!r}: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -285,17 +285,7 @@ class RemoteTier(LowerTier):
         return found
 
     async def put(self, rows: Sequence[Row]) -> list[bool]:
-        deadline = self._deadline()
-        stored = [False] * len(rows)
-        wire = self._wire([key for key, _ in rows])
-        views = [_bytes_view(row) for _, row in rows]
-        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
-
-        async def put_on(link: _Link, idxs: list[int]) -> None:
-            for part in _batches(idxs, self.keys_per_request):
-                await self._put_part(link, part, wire, views, addrs, stored, deadline)
-
-        await self._per_owner(wire, put_on)
+        stored = await self._by_parts(rows, self._put_part)
         ok = sum(stored)
         self._counters["rows_put"] += ok
         self._counters["rows_put_failed"] += len(rows) - ok
@@ -305,21 +295,26 @@ class RemoteTier(LowerTier):
         return stored
 
     async def get(self, rows: Sequence[Row]) -> list[bool]:
-        deadline = self._deadline()
-        loaded = [False] * len(rows)
-        wire = self._wire([key for key, _ in rows])
-        views = [_bytes_view(row) for _, row in rows]
-        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
-
-        async def get_from(link: _Link, idxs: list[int]) -> None:
-            for part in _batches(idxs, self.keys_per_request):
-                await self._get_part(link, part, wire, views, addrs, loaded, deadline)
-
-        await self._per_owner(wire, get_from)
+        loaded = await self._by_parts(rows, self._get_part)
         hits = sum(loaded)
         self._counters["rows_hit"] += hits
         self._counters["rows_missed"] += len(rows) - hits
         return loaded
+
+    async def _by_parts(self, rows: Sequence[Row], run_part: Callable[..., Awaitable[None]]) -> list[bool]:
+        """Run ``run_part`` on each owner's keys, ``keys_per_request`` at a time; a flag per row."""
+        deadline = self._deadline()
+        done = [False] * len(rows)
+        wire = self._wire([key for key, _ in rows])
+        views = [_bytes_view(row) for _, row in rows]
+        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
+
+        async def on_owner(link: _Link, idxs: list[int]) -> None:
+            for part in _batches(idxs, self.keys_per_request):
+                await run_part(link, part, wire, views, addrs, done, deadline)
+
+        await self._per_owner(wire, on_owner)
+        return done
 
     async def delete(self, keys: Sequence[bytes]) -> None:
         """Delete on every reachable peer: a key may have a copy on its former owner."""

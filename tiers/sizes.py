@@ -1,8 +1,5 @@
-"""Sizes with units (``8GiB``, ``512MB``) for the command lines of ``tiers/``.
-
-``offload/config.py`` has the same rule for the configuration file; ``tiers/`` is a leaf
-and may not import ``offload/``, so the peer's CLI parses its own sizes here.
-"""
+"""Sizes with units (``8GiB``, ``512MB``): the one rule for the peer's command line and for
+``offload/config.py`` (which wraps its errors to name the configuration key)."""
 
 from __future__ import annotations
 
@@ -23,20 +20,20 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from ``"8GiB"``, ``"1.5MiB"``, ``"4096"`` or an int; ``ValueError`` names the text."""
+    """Bytes from ``"8GiB"``, ``"1.5MiB"``, ``"4096"`` or an int; ``ValueError`` says what is wrong."""
     if isinstance(text, bool):
-        raise ValueError(f"{text!r} is not a size")
+        raise ValueError("not a size")
     if isinstance(text, int):
         size = text
     else:
         match = _SIZE.match(text)
         if not match:
-            raise ValueError(f"{text!r} is not a size such as '8GiB' or a number of bytes")
+            raise ValueError("not a size such as '8GiB' or a number of bytes")
         number, unit = match.groups()
         scale = _UNITS.get(unit.upper() or "B")
         if scale is None:
-            raise ValueError(f"{text!r}: unknown unit {unit!r}; use one of B, KB, MB, GB, KiB, MiB, GiB, TiB")
+            raise ValueError(f"unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
         size = int(float(number) * scale)
     if size <= 0:
-        raise ValueError(f"{text!r}: a size must be positive")
+        raise ValueError("a size must be positive")
     return size
