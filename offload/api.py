@@ -79,12 +79,14 @@ class Offloader:
 
         Keys found only in a lower tier start their promotion here (every one up to the
         first miss, in one pass), and count once they have landed: call again after
-        ``poll`` to load the longer prefix.
+        ``poll`` to load the longer prefix. From the first miss on, remote peers are asked
+        in the background whether they hold the rest (another engine may have put it).
         """
         hits: int | None = None
         for count, key in enumerate(keys):
             result = self.manager.lookup(key)
             if result is LookupResult.MISS:
+                self.manager.check_below(keys[count:])  # remote peers may hold the rest
                 return count if hits is None else hits
             if result is LookupResult.HIT_PENDING and hits is None:
                 hits = count

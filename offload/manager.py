@@ -166,10 +166,12 @@ class OffloadingManager:
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
-            if self.lower is not None and self._promote(key):
-                self._last_lookup[key_group(key)] = key
-                self.stats.pending += 1
-                return LookupResult.HIT_PENDING
+            if self.lower is not None:
+                if self._promote(key):
+                    self._last_lookup[key_group(key)] = key
+                    self.stats.pending += 1
+                    return LookupResult.HIT_PENDING
+                self.lower.ask_later([key])
             return LookupResult.MISS
         if self.lower is not None:
             self._last_lookup[row.group] = key
@@ -309,14 +311,27 @@ class OffloadingManager:
         """Apply finished lower-tier work: promoted rows become readable, spilled rows clean."""
         if self.lower is None:
             return
+        self.lower.flush_asks()
         results = self.lower.drain()
         for result in results:
             if result.kind is OpKind.GET:
                 self._finish_promotion(result)
-            else:
+            elif result.kind is OpKind.PUT:
                 self._finish_copy_down(result)
+            else:
+                self.lower.learn(result)
         if results:
             self._write_back()  # rows that finished copying may have left room for more
+
+    def check_below(self, keys: Sequence[OffloadKey]) -> None:
+        """Ask tiers below whose index is partial (remote peers) about ``keys``, in the background.
+
+        A lookup stops at its first miss; an engine that knows the rest of the prefix passes
+        it here so that one round trip finds the whole prefix for the next request.
+        """
+        if self.lower is not None:
+            self.lower.ask_later(key for key in keys if key not in self._rows)
+            self.lower.flush_asks()
 
     def shutdown(self) -> None:
         if self.lower is not None:
@@ -423,6 +438,7 @@ class OffloadingManager:
                 self.lower.stats.promotions_done += 1
                 continue
             self.lower.stats.promotions_failed += 1
+            self.lower.forget(key)
             self._policies[row.group].on_remove(key)
             if result.abandoned:  # the tier may still write into the slot: never reuse it
                 del self._rows[key]

@@ -36,6 +36,7 @@ T = TypeVar("T")
 class OpKind(enum.Enum):
     PUT = "put"
     GET = "get"
+    CONTAINS = "contains"
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,17 @@ class TierEngine:
                 raise TierError(f"{tier.kind} tier failed to start: {exc!r}") from exc
 
     def submit_put(self, op_id: int, tier: int, rows: Sequence[Row]) -> bool:
-        return self._submit(op_id, OpKind.PUT, tier, rows, self.tiers[tier].put)
+        rows = list(rows)
+        return self._submit(op_id, OpKind.PUT, tier, [k for k, _ in rows], lambda: self.tiers[tier].put(rows))
 
     def submit_get(self, op_id: int, tier: int, rows: Sequence[Row]) -> bool:
-        return self._submit(op_id, OpKind.GET, tier, rows, self.tiers[tier].get)
+        rows = list(rows)
+        return self._submit(op_id, OpKind.GET, tier, [k for k, _ in rows], lambda: self.tiers[tier].get(rows))
+
+    def submit_contains(self, op_id: int, tier: int, keys: Sequence[bytes]) -> bool:
+        """Ask a tier which ``keys`` it holds (``ok[i]``: found); nothing moves."""
+        keys = list(keys)
+        return self._submit(op_id, OpKind.CONTAINS, tier, keys, lambda: self.tiers[tier].contains(keys))
 
     def drain(self) -> list[OpResult]:
         results = []
@@ -138,15 +146,14 @@ class TierEngine:
         op_id: int,
         kind: OpKind,
         tier: int,
-        rows: Sequence[Row],
-        operation: Callable[[Sequence[Row]], Awaitable[list[bool]]],
+        keys: list[bytes],
+        operation: Callable[[], Awaitable[list[bool]]],
     ) -> bool:
         with self._idle:
             if self._inflight[tier] >= self.max_inflight:
                 return False
             self._inflight[tier] += 1
-        rows = list(rows)
-        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, rows, operation), self._loop)
+        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, keys, operation), self._loop)
         return True
 
     async def _run(
@@ -154,28 +161,27 @@ class TierEngine:
         op_id: int,
         kind: OpKind,
         tier: int,
-        rows: list[Row],
-        operation: Callable[[Sequence[Row]], Awaitable[list[bool]]],
+        keys: list[bytes],
+        operation: Callable[[], Awaitable[list[bool]]],
     ) -> None:
-        keys = [key for key, _row in rows]
         start = self._loop.time()
         abandoned = False
         try:
-            ok = await asyncio.wait_for(operation(rows), self.safety_deadline_s)
-            if len(ok) != len(rows):
-                raise RuntimeError(f"{len(ok)} results for {len(rows)} rows")
+            ok = await asyncio.wait_for(operation(), self.safety_deadline_s)
+            if len(ok) != len(keys):
+                raise RuntimeError(f"{len(ok)} results for {len(keys)} keys")
         except TimeoutError:
             log.error(
                 "%s tier %s of %d rows overran %.1f s: abandoned",
                 self.tiers[tier].kind,
                 kind.value,
-                len(rows),
+                len(keys),
                 self.safety_deadline_s,
             )
-            ok, abandoned = [False] * len(rows), True
+            ok, abandoned = [False] * len(keys), True
         except Exception as exc:  # a failed operation: every key of it failed
-            log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(rows), exc)
-            ok = [False] * len(rows)
+            log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(keys), exc)
+            ok = [False] * len(keys)
         self._results.append(
             OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned)
         )

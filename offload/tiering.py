@@ -13,6 +13,11 @@ placement.py``):
 - promotion: a lookup that misses the host tier but finds the row below copies it up
   (``HIT_PENDING`` until it lands).
 
+Finding a row below is a local question for a disk (its index is exact) but not for
+remote peers, which also hold what other engines put. For such tiers a miss queues an
+asynchronous ``contains``; the keys it finds are remembered (boundedly), so a later lookup
+of them promotes. The lookup that asked is never held up by the network.
+
 This module holds those rules and the ``TierEngine``; the manager holds the row states.
 """
 
@@ -20,7 +25,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from offload.config import ConfigError, TierConfig
@@ -96,6 +102,12 @@ class ChainStats:
     spills_failed: int = 0
     spills_refused: int = 0
     dirty_dropped: int = 0
+    checks_asked: int = 0
+    checks_found: int = 0
+
+
+KNOWN_KEYS = 1 << 16
+"""How many keys found below by ``contains`` (and asked about) are remembered."""
 
 
 class LowerTierChain:
@@ -111,6 +123,14 @@ class LowerTierChain:
         self.engine = engine
         self.stats = ChainStats()
         self._op_ids = itertools.count(1)
+        self._partial = [
+            index
+            for index, (tier, placement) in enumerate(zip(self.tiers, self.placements, strict=True))
+            if tier.index_is_partial and placement.promote
+        ]
+        self._known: OrderedDict[bytes, int] = OrderedDict()  # found by contains: key -> tier
+        self._asked: OrderedDict[bytes, None] = OrderedDict()  # asked lately: not again
+        self._to_ask: dict[bytes, None] = {}
 
     @property
     def has_write_back(self) -> bool:
@@ -122,11 +142,43 @@ class LowerTierChain:
             placement.admission.observe(key)
 
     def locate(self, key: bytes) -> int | None:
-        """The first tier that (by its local index) holds ``key`` and promotes hits."""
+        """The first promoting tier that holds ``key``, by its local index or a past ``contains``."""
+        known = self._known.get(key)
         for index, (tier, placement) in enumerate(zip(self.tiers, self.placements, strict=True)):
-            if placement.promote_on_hit() and tier.may_contain(key):
+            if placement.promote_on_hit() and (known == index or tier.may_contain(key)):
                 return index
         return None
+
+    def ask_later(self, keys: Iterable[bytes]) -> None:
+        """Queue ``contains`` checks for keys missing here, on tiers whose local index is partial."""
+        if not self._partial:
+            return
+        for key in keys:
+            if key not in self._asked and key not in self._known:
+                self._to_ask[key] = None
+
+    def flush_asks(self) -> None:
+        """Send the queued checks, one ``contains`` per partial tier."""
+        if not self._to_ask:
+            return
+        keys = list(self._to_ask)
+        self._to_ask.clear()
+        for key in keys:
+            _remember(self._asked, key, None)
+        for tier in self._partial:
+            if self.engine.submit_contains(next(self._op_ids), tier, keys):
+                self.stats.checks_asked += len(keys)
+
+    def learn(self, result: OpResult) -> None:
+        """Remember which asked keys a tier holds."""
+        for key, found in zip(result.keys, result.ok, strict=True):
+            if found:
+                _remember(self._known, bytes(key), result.tier)
+                self.stats.checks_found += 1
+
+    def forget(self, key: bytes) -> None:
+        """A promotion of ``key`` failed: do not send the next lookup to the same place."""
+        self._known.pop(key, None)
 
     def targets(self, key: bytes, *, on_evict: bool) -> list[int]:
         """Tiers that take ``key`` now: write-back ones before eviction, write-through ones on store."""
@@ -162,3 +214,10 @@ class LowerTierChain:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _remember(table: OrderedDict, key: bytes, value: object) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    if len(table) > KNOWN_KEYS:
+        table.popitem(last=False)

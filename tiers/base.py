@@ -44,6 +44,10 @@ class TierError(RuntimeError):
 class LowerTier(ABC):
     kind: str = ""
 
+    index_is_partial: bool = False
+    """``may_contain`` knows only part of what the tier holds (a remote tier knows what this
+    client put, not what other engines put): a miss there is worth a ``contains``."""
+
     @abstractmethod
     async def open(self, host_buffer: memoryview | None = None) -> None: ...
 

@@ -138,6 +138,7 @@ class RemoteTier(LowerTier):
     """
 
     kind = "remote"
+    index_is_partial = True  # other clients' rows are found by ``contains``, not ``may_contain``
 
     def __init__(
         self,

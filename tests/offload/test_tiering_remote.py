@@ -59,6 +59,31 @@ def test_a_wrong_token_reads_nothing(tmp_path, peer):
         assert offloader.lookup(keys[:1]) == 0
 
 
+def test_another_engine_finds_rows_a_first_engine_put(tmp_path, peer):
+    kv_a, groups = per_layer_blocks_first()
+    kv_b, _ = per_layer_blocks_first()  # engine B: its own KV cache, other bytes
+    with Offloader(kv_a, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    keys = keys_for("shared", 4)
+    with Offloader(kv_a, groups, config(tmp_path, peer, 8, row)) as engine_a:
+        computed = [engine_a.caches.read_row(0, b) for b in range(4)]
+        engine_a.store(keys, [0, 1, 2, 3])
+        engine_a.wait()
+        engine_a.wait_tiers()
+        assert engine_a.stats()["lower"]["spills_done"] == 4
+    with Offloader(kv_b, groups, config(tmp_path, peer, 8, row)) as engine_b:
+        assert engine_b.lookup(keys) == 0  # B never put them: a miss now, the peer asked in the background
+        engine_b.wait_tiers()
+        assert engine_b.lookup(keys) == 0  # now known below: promotions start
+        engine_b.wait_tiers()
+        assert engine_b.lookup(keys) == 4
+        engine_b.load(keys, [6, 7, 8, 9])
+        engine_b.wait()
+        assert [engine_b.caches.read_row(0, b) for b in (6, 7, 8, 9)] == computed
+        lower = engine_b.stats()["lower"]
+        assert (lower["checks_found"], lower["promotions_done"]) == (4, 4)
+
+
 def test_promotion_from_a_peer_and_a_dead_peer_is_a_miss(tmp_path, peer):
     kv, groups = per_layer_blocks_first()
     with Offloader(kv, groups) as probe:
