@@ -358,8 +358,23 @@ class OffloadingManager:
         """Free a row whose key the policy has already forgotten."""
         row = self._rows.pop(key)
         self._allocators[row.group].free([row.slot])
-        if not (removed_event and row.ready):
-            return
+        if removed_event and row.ready:
+            self._announce_removal(key)
+
+    def _drop_many(self, victims: list[OffloadKey]) -> None:
+        """``_drop`` of evicted rows (all readable), freeing each group's slots at once."""
+        freed: dict[int, list[int]] = {}
+        rows, lower = self._rows, self.lower
+        for key in victims:
+            row = rows.pop(key)
+            freed.setdefault(row.group, []).append(row.slot)
+            if row.dirty and lower is not None:
+                lower.stats.dirty_dropped += 1
+            self._announce_removal(key)
+        for group, slots in freed.items():
+            self._allocators[group].free(slots)
+
+    def _announce_removal(self, key: OffloadKey) -> None:
         if key in self._events.stored:  # stored and removed since the last drain: never seen
             del self._events.stored[key]
         else:
@@ -397,10 +412,7 @@ class OffloadingManager:
                 return None
             victims[group] = chosen  # type: ignore[assignment]
         evicted = [key for chosen in victims.values() for key in chosen]
-        for key in evicted:
-            if self._rows[key].dirty and self.lower is not None:
-                self.lower.stats.dirty_dropped += 1
-            self._drop(key, removed_event=True)
+        self._drop_many(evicted)
         self.stats.evictions += len(evicted)
         return evicted
 
