@@ -36,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+from policies.prefix_aware import orphans_first
 
 
 class HitDensityPolicy(EvictionPolicy):
@@ -267,10 +268,7 @@ class HitDensityPolicy(EvictionPolicy):
         return len(self._class)
 
     def __iter__(self) -> Iterator[Key]:
-        yield from self._orphans
-        for key in self._class:
-            if key not in self._orphans:
-                yield key
+        return orphans_first(self._orphans, self._class)
 
     def clear(self) -> None:
         for part in (self._class, self._last, self._parent, self._children, self._tail_index, self._orphans):

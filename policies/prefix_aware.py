@@ -34,10 +34,18 @@ bounded by the number of resident keys.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import islice
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+
+
+def orphans_first(orphans: Collection[Key], keys: Iterable[Key]) -> Iterator[Key]:
+    """Eviction order of a chain-aware policy: orphans (never hit again), then the rest."""
+    yield from orphans
+    for key in keys:
+        if key not in orphans:
+            yield key
 
 
 class PrefixAware(EvictionPolicy):
@@ -203,10 +211,7 @@ class PrefixAware(EvictionPolicy):
         return len(self._parent)
 
     def __iter__(self) -> Iterator[Key]:
-        yield from self._orphans
-        for key in self.inner:
-            if key not in self._orphans:
-                yield key
+        return orphans_first(self._orphans, self.inner)
 
     def clear(self) -> None:
         self.inner.clear()

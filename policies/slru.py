@@ -13,6 +13,24 @@ from collections.abc import Iterator
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
 
 
+def segmented_hit(key: Key, probation: OrderedDict, protected: OrderedDict, protected_cap: int) -> bool:
+    """A hit in a segmented LRU: a protected key becomes most recent; a probation key moves
+    up to protected, whose least recent key then drops back to probation if protected is
+    over its cap. ``False`` if the key is in neither segment. (W-TinyLFU's main space is
+    the same structure.)"""
+    if key in protected:
+        protected.move_to_end(key)
+    elif key in probation:
+        del probation[key]
+        protected[key] = None
+        if len(protected) > protected_cap:
+            demoted, _ = protected.popitem(last=False)
+            probation[demoted] = None
+    else:
+        return False
+    return True
+
+
 class SLRUPolicy(EvictionPolicy):
     """Two LRU segments: probation (new keys) and protected (keys hit since they arrived).
 
@@ -40,14 +58,7 @@ class SLRUPolicy(EvictionPolicy):
         self._probation[key] = None
 
     def on_access(self, key: Key) -> None:
-        if key in self._protected:
-            self._protected.move_to_end(key)
-        elif key in self._probation:
-            del self._probation[key]
-            self._protected[key] = None
-            if len(self._protected) > self._protected_cap:
-                demoted, _ = self._protected.popitem(last=False)
-                self._probation[demoted] = None
+        segmented_hit(key, self._probation, self._protected, self._protected_cap)
 
     def on_remove(self, key: Key) -> None:
         if key in self._probation:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
 from policies.sketch import FrequencySketch
+from policies.slru import segmented_hit
 
 
 class TinyLFUPolicy(EvictionPolicy):
@@ -71,14 +72,8 @@ class TinyLFUPolicy(EvictionPolicy):
         self.sketch.record(key)
         if key in self._window:
             self._window.move_to_end(key)
-        elif key in self._protected:
-            self._protected.move_to_end(key)
-        elif key in self._probation:
-            del self._probation[key]
-            self._protected[key] = None
-            if len(self._protected) > self._protected_cap:
-                demoted, _ = self._protected.popitem(last=False)
-                self._probation[demoted] = None
+        else:
+            segmented_hit(key, self._probation, self._protected, self._protected_cap)
 
     def on_remove(self, key: Key) -> None:
         for segment in (self._window, self._probation, self._protected):
