@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from offload.keys import OffloadKey, key_group
+from offload.keys import GROUP_BYTES, OffloadKey, key_group
 from offload.tier_engine import OpKind, OpResult
 from offload.tiering import LowerTierChain
 from policies import EvictionPolicy
@@ -217,33 +217,36 @@ class OffloadingManager:
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         self.poll()
-        new_keys = [key for key in dict.fromkeys(keys) if key not in self._rows]
+        rows = self._rows
+        new_keys = [key for key in dict.fromkeys(keys) if key not in rows]
         wanted = [0] * self.num_groups
-        wanted_group = {key: self._group(key) for key in new_keys}
-        for group in wanted_group.values():
+        group_of = {key: int.from_bytes(key[-GROUP_BYTES:], "big") for key in new_keys}  # key_group, inlined
+        for key, group in group_of.items():
+            if group >= self.num_groups or len(key) <= GROUP_BYTES:
+                self._group(key)  # raises the error that names the key
             wanted[group] += 1
         if self.lower is not None:
             for key in new_keys:
                 self.lower.observe(key)
-        evicted = self._make_room(wanted, protected=set(keys))
+        evicted = self._make_room(wanted, protected=keys)
         if evicted is None:
             self.stats.rejected_stores += 1
             return None
 
-        slots: dict[OffloadKey, int] = {}
-        for group, count in enumerate(wanted):
-            if count:
-                group_keys = [key for key in new_keys if wanted_group[key] == group]
-                allocated = self._allocators[group].allocate(count)
-                assert allocated is not None, "eviction freed too few slots"
-                slots.update(zip(group_keys, allocated, strict=True))
-
-        for key in new_keys:
-            self._rows[key] = _Row(wanted_group[key], slots[key])
-        for group, run, parent in _new_runs(keys, wanted_group):
+        free_slots = [
+            iter(self._allocators[group].allocate(count) or ()) if count else iter(())
+            for group, count in enumerate(wanted)
+        ]
+        slots = []
+        for key in new_keys:  # each group's slots in the order of its keys
+            group = group_of[key]
+            slot = next(free_slots[group])  # make_room left enough free slots
+            rows[key] = _Row(group, slot)
+            slots.append(slot)
+        for group, run, parent in _new_runs(keys, group_of):
             self._policies[group].on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
-        return PrepareStoreOutput(new_keys, HostSlots(new_keys, [slots[k] for k in new_keys]), evicted)
+        return PrepareStoreOutput(new_keys, HostSlots(new_keys, slots), evicted)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         self.poll()
@@ -392,21 +395,24 @@ class OffloadingManager:
 
         return evictable
 
-    def _make_room(self, wanted: Sequence[int], protected: set[OffloadKey]) -> list[OffloadKey] | None:
+    def _make_room(self, wanted: Sequence[int], protected: Iterable[OffloadKey]) -> list[OffloadKey] | None:
         """Evict so each group has ``wanted[group]`` free slots: the victims, or ``None`` and no change.
 
         Rows already safe below (clean) go first; a dirty row is dropped without reaching
         its write-back tier only when nothing clean can make room.
         """
         victims: dict[int, list[OffloadKey]] = {}
+        protected_set: set[OffloadKey] | None = None
         for group, count in enumerate(wanted):
             short = count - self._allocators[group].num_free
             if short <= 0:
                 continue
+            if protected_set is None:  # built only when something must be evicted
+                protected_set = set(protected)
             policy = self._policies[group]
-            chosen = policy.evict(short, self._evictable(protected, clean_only=True))
+            chosen = policy.evict(short, self._evictable(protected_set, clean_only=True))
             if chosen is None and self.lower is not None and self.lower.has_write_back:
-                chosen = policy.evict(short, self._evictable(protected, clean_only=False))
+                chosen = policy.evict(short, self._evictable(protected_set, clean_only=False))
             if chosen is None:
                 self._restore(victims)
                 return None
