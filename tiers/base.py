@@ -70,4 +70,8 @@ class LowerTier(ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> dict[str, float]:
+        """Counters and levels. Every tier reports at least ``hits`` and ``misses`` (rows its
+        ``get`` served / missed), ``stored`` and ``dropped`` (rows its ``put`` kept / did not)
+        and ``corrupt`` (rows refused by their header or checksum); where it knows them,
+        ``evictions``, ``rows`` and ``capacity_bytes``. The metrics read these names."""

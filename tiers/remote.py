@@ -186,11 +186,11 @@ class RemoteTier(LowerTier):
         self._cleanup: set[asyncio.Future] = set()
         self._counters = dict.fromkeys(
             (
-                "rows_put",
-                "rows_put_failed",
-                "rows_hit",
-                "rows_missed",
-                "rows_corrupt",
+                "stored",
+                "dropped",
+                "hits",
+                "misses",
+                "corrupt",
                 "bytes_written",
                 "bytes_read",
                 "transfers",
@@ -288,8 +288,8 @@ class RemoteTier(LowerTier):
     async def put(self, rows: Sequence[Row]) -> list[bool]:
         stored = await self._by_parts(rows, self._put_part)
         ok = sum(stored)
-        self._counters["rows_put"] += ok
-        self._counters["rows_put_failed"] += len(rows) - ok
+        self._counters["stored"] += ok
+        self._counters["dropped"] += len(rows) - ok
         for (key, _), done in zip(rows, stored, strict=True):
             if done:
                 self._remember(bytes(key))
@@ -298,8 +298,8 @@ class RemoteTier(LowerTier):
     async def get(self, rows: Sequence[Row]) -> list[bool]:
         loaded = await self._by_parts(rows, self._get_part)
         hits = sum(loaded)
-        self._counters["rows_hit"] += hits
-        self._counters["rows_missed"] += len(rows) - hits
+        self._counters["hits"] += hits
+        self._counters["misses"] += len(rows) - hits
         return loaded
 
     async def _by_parts(self, rows: Sequence[Row], run_part: Callable[..., Awaitable[None]]) -> list[bool]:
@@ -485,7 +485,7 @@ class RemoteTier(LowerTier):
                 slot, raw = entry
                 why = self._unservable(RowHeader.unpack(raw), len(views[i]), link.welcome.slot_bytes)
                 if why is not None:
-                    self._counters["rows_corrupt"] += 1
+                    self._counters["corrupt"] += 1
                     log.warning("peer %s: a row not read (%s): a miss", link.peer.address, why)
                     continue
                 reads.append((i, slot))
@@ -542,7 +542,7 @@ class RemoteTier(LowerTier):
                 if good:
                     loaded[i] = True
                 else:
-                    self._counters["rows_corrupt"] += 1
+                    self._counters["corrupt"] += 1
                     log.warning("peer %s: a row failed its checksum: a miss", link.peer.address)
             self._counters["bytes_read"] += sum(len(views[i]) for i, _ in part)
         if errors:

@@ -104,7 +104,7 @@ async def test_rows_round_trip_byte_exact(shared, n_peers):
         assert not tier.may_contain(keys[0])
         rows.clear_dst()
         assert await tier.get(list(zip(keys[:12], rows.dst[:12], strict=True))) == [False] * 10 + [True] * 2
-        assert tier.stats()["rows_corrupt"] == 0
+        assert tier.stats()["corrupt"] == 0
 
 
 @multiprocess

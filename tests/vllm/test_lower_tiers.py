@@ -100,3 +100,69 @@ def flip_a_byte_of_the_row(disk_dir, engine, req_id, block):
         os.pwrite(fd, bytes([data[offset + 5] ^ 0xFF]), offset + 5)
     finally:
         os.close(fd)
+
+
+def remote_toml(tmp_path, address):
+    path = tmp_path / "tiers-remote.toml"
+    path.write_text(
+        f"""
+[[tiers]]
+kind = "host"
+eviction = "lru"
+
+[[tiers]]
+kind = "remote"
+peers = ["{address}"]
+capacity = "64MiB"
+placement = "write-through"
+deadline_s = 1.0
+"""
+    )
+    return str(path)
+
+
+@pytest.fixture
+def peer(tmp_path):
+    from tests.tiers.peer_fixtures import start_peers
+
+    (process,) = start_peers(tmp_path, 1, capacity="64MiB", row_bytes="1MiB")
+    yield process
+    process.close()
+
+
+def stored_at_a_peer_then_host_reset(make_engine, tmp_path, peer):
+    engine = make_engine(kvtier_config=remote_toml(tmp_path, peer.address))
+    first = engine.add(PREFIX + list(range(500, 540)))
+    engine.run()
+    manager = engine.manager.manager
+    assert manager.lower.engine.wait_idle(10)
+    manager.poll()
+    assert manager.lower.stats.spills_done == manager.stats.stored_rows == 12
+    assert engine.scheduler.reset_connector_cache()
+    engine.evict_device_cache()
+    engine.scramble()
+    return engine, first
+
+
+@pytest.mark.multiprocess
+def test_a_prefix_at_a_peer_is_promoted_and_loaded_byte_exact(make_engine, tmp_path, peer):
+    engine, _ = stored_at_a_peer_then_host_reset(make_engine, tmp_path, peer)
+    again = engine.add(PREFIX + list(range(600, 630)))
+    engine.run()  # the harness checks every loaded block's bytes against the model's
+    record = engine.requests[again]
+    assert record.loaded == [(0, len(PREFIX))]
+    assert engine.manager.manager.lower.stats.promotions_done >= len(PREFIX) // BLOCK_SIZE
+
+
+@pytest.mark.multiprocess
+def test_a_dead_peer_is_a_miss_and_the_request_recomputes(make_engine, tmp_path, peer):
+    engine, _ = stored_at_a_peer_then_host_reset(make_engine, tmp_path, peer)
+    peer.kill()
+    again = engine.add(PREFIX + list(range(600, 630)))
+    engine.run()  # vLLM would raise if a failed promotion reached a device load
+    record = engine.requests[again]
+    assert record.loaded == []
+    assert set(range(len(PREFIX))) <= record.computed
+    lower = engine.manager.manager.lower
+    assert lower.stats.promotions_done == 0
+    assert lower.stats.promotions_failed >= 1

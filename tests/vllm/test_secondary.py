@@ -1,4 +1,4 @@
-"""kvtier's disk tier as a secondary tier of vLLM's own ``TieringOffloadingSpec``.
+"""kvtier's disk tier and peers as secondary tiers of vLLM's own ``TieringOffloadingSpec``.
 
 vLLM's CPU primary tier needs CUDA for its worker, so these tests drive vLLM's real
 tiering manager (scheduler side) directly: stores cascade from vLLM's CPU tier into
@@ -24,14 +24,19 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from offload.vllm.secondary import KVTierDiskTier
+from offload.vllm.secondary import KVTierDiskTier, KVTierRemoteTier
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def tiering_spec(tmp_path, **tier_keys):
-    tier = {"type": "KVTierDiskTier", "module_path": "offload.vllm.secondary", "path": str(tmp_path / "disk")}
-    tier.update({"capacity": "64MiB", **tier_keys})
+def tiering_spec(tmp_path, tier=None, **tier_keys):
+    if tier is None:
+        tier = {
+            "type": "KVTierDiskTier",
+            "module_path": "offload.vllm.secondary",
+            "path": str(tmp_path / "disk"),
+        }
+    tier = {"capacity": "64MiB", **tier, **tier_keys}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
         worker_kv_bytes_per_block=8192,
@@ -65,12 +70,31 @@ def settle(manager, done, timeout=10.0):
         time.sleep(0.005)
 
 
-def test_rows_cascade_to_kvtier_disk_and_are_promoted_back_byte_exact(tmp_path):
-    spec = tiering_spec(tmp_path)
+@pytest.fixture(params=["disk", "remote"])
+def secondary(request, tmp_path):
+    """The tier entry of ``secondary_tiers``: kvtier's disk, or a real ``kvtier peer``."""
+    if request.param == "disk":
+        yield {
+            "type": "KVTierDiskTier",
+            "module_path": "offload.vllm.secondary",
+            "path": str(tmp_path / "disk"),
+        }
+        return
+    from tests.tiers.peer_fixtures import start_peers
+
+    (peer,) = start_peers(tmp_path, 1, capacity="16MiB", row_bytes="64KiB")
+    try:
+        yield {"type": "KVTierRemoteTier", "module_path": "offload.vllm.secondary", "peers": [peer.address]}
+    finally:
+        peer.close()
+
+
+def test_rows_cascade_to_kvtier_and_are_promoted_back_byte_exact(tmp_path, secondary):
+    spec = tiering_spec(tmp_path, secondary)
     manager = spec.get_manager()
     try:
         (tier,) = manager.secondary_tiers
-        assert isinstance(tier, KVTierDiskTier)
+        assert isinstance(tier, KVTierDiskTier if secondary["type"] == "KVTierDiskTier" else KVTierRemoteTier)
         view = manager.primary_tier.get_kv_memoryview()
         rows = view.cast("B")
         row = tier.block_size_bytes
