@@ -81,7 +81,7 @@ def _die_with_parent() -> None:
     _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def _spawn(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def spawn(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdin=subprocess.PIPE,
@@ -149,7 +149,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
     token_file = workdir / "token"
     token_file.write_bytes(os.urandom(32).hex().encode())
     pool_bytes = 3 * rows * row_bytes  # room for three repeats; older ones are evicted (LRU)
-    peer, ready = _spawn(
+    peer, ready = spawn(
         [
             "-m",
             "tiers.peer_server",
@@ -164,7 +164,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
         ],
         env,
     )
-    raw_target, raw_line = _spawn(["-m", "bench.remote", "--raw-target", str(rows * row_bytes)], env)
+    raw_target, raw_line = spawn(["-m", "bench.remote", "--raw-target", str(rows * row_bytes)], env)
     tier = None
     try:
         address = ready.split()[4].rstrip(":")

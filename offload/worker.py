@@ -25,8 +25,9 @@ caller's thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from offload.layout import CanonicalKVCaches
 from offload.row_copy import RowCopier
@@ -34,6 +35,10 @@ from offload.streams import Completion, CopyStream, make_copy_stream
 from tiers.host import HostTier
 
 log = logging.getLogger(__name__)
+
+PARALLEL_MIN_BYTES = 4 * 2**20
+"""Jobs smaller than this run as one task: spreading them over the copy pool costs more
+(a thread hand-off per task, ~10-50 us) than the copy itself."""
 
 PerGroup = Sequence[Sequence[int]]
 """One list per KV group (empty for a group the job does not touch)."""
@@ -188,13 +193,16 @@ class OffloadingWorker:
     def _submit(
         self, job_id: int, plan: list[tuple[RowCopier, list[int], list[int]]], *, is_store: bool
     ) -> bool:
-        parallelism = self._stream.parallelism
+        size = sum(len(blocks) * copier.block_bytes for copier, blocks, _ in plan)
+        # A small job costs more to hand around a thread pool than to copy: one task.
+        parallelism = self._stream.parallelism if size >= PARALLEL_MIN_BYTES else 1
         tasks = [
             task
             for copier, blocks, rows in plan
             for task in copier.tasks(blocks, rows, store=is_store, parallelism=parallelism)
         ]
-        size = sum(len(blocks) * copier.block_bytes for copier, blocks, _ in plan)
+        if parallelism == 1 and len(tasks) > 1:
+            tasks = [partial(_run_all, tasks)]
         self._jobs[job_id] = _Job(job_id, is_store, size, self._stream.submit(tasks))
         return True
 
@@ -205,6 +213,11 @@ class OffloadingWorker:
             log.error("%s job %d failed: %r", "store" if job.is_store else "load", job.job_id, error)
             return TransferResult(job.job_id, False, 0, 0.0, job.is_store)
         return TransferResult(job.job_id, True, job.size, job.completion.seconds(), job.is_store)
+
+
+def _run_all(tasks: Sequence[Callable[[], object]]) -> None:
+    for task in tasks:
+        task()
 
 
 def _check_range(job_id: int, group: int, what: str, values: list[int], limit: int) -> None:

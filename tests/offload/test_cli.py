@@ -4,7 +4,7 @@ from offload.cli import main
 def test_usage_lists_every_command(capsys):
     assert main([]) == 2
     out = capsys.readouterr().out
-    for name in ("peer", "bench copy", "bench policy", "bench disk", "bench remote"):
+    for name in ("peer", "bench copy", "bench policy", "bench disk", "bench remote", "bench e2e"):
         assert name in out
     assert main(["--help"]) == 0
 
