@@ -14,29 +14,34 @@ from tests.vllm.harness import BLOCK_SIZE
 PREFIX = list(range(100, 260))  # 10 blocks
 
 
-def disk_toml(tmp_path):
+def tiers_toml(tmp_path, lower_tier: str) -> str:
+    """A TOML file: the host tier, then ``lower_tier`` (a ``[[tiers]]`` body), written through."""
     path = tmp_path / "tiers.toml"
-    path.write_text(
-        f"""
+    path.write_text(f"""
 [[tiers]]
 kind = "host"
 eviction = "lru"
 
 [[tiers]]
-kind = "disk"
-path = "{tmp_path / "disk"}"
+{lower_tier}
 capacity = "64MiB"
 placement = "write-through"
-admission = "all"
-"""
-    )
+""")
     return str(path)
 
 
-def stored_then_host_reset(make_engine, tmp_path):
-    """An engine whose first request's prompt is on disk only (host tier reset, device cache
-    evicted and scrambled)."""
-    engine = make_engine(kvtier_config=disk_toml(tmp_path))
+def disk_toml(tmp_path):
+    return tiers_toml(tmp_path, f'kind = "disk"\npath = "{tmp_path / "disk"}"\nadmission = "all"')
+
+
+def remote_toml(tmp_path, address):
+    return tiers_toml(tmp_path, f'kind = "remote"\npeers = ["{address}"]\ndeadline_s = 1.0')
+
+
+def stored_then_host_reset(make_engine, tmp_path, toml=None):
+    """An engine whose first request's prompt is only below the host tier (host tier reset,
+    device cache evicted and scrambled); on disk unless ``toml`` says otherwise."""
+    engine = make_engine(kvtier_config=toml or disk_toml(tmp_path))
     first = engine.add(PREFIX + list(range(500, 540)))
     engine.run()
     manager = engine.manager.manager
@@ -102,25 +107,6 @@ def flip_a_byte_of_the_row(disk_dir, engine, req_id, block):
         os.close(fd)
 
 
-def remote_toml(tmp_path, address):
-    path = tmp_path / "tiers-remote.toml"
-    path.write_text(
-        f"""
-[[tiers]]
-kind = "host"
-eviction = "lru"
-
-[[tiers]]
-kind = "remote"
-peers = ["{address}"]
-capacity = "64MiB"
-placement = "write-through"
-deadline_s = 1.0
-"""
-    )
-    return str(path)
-
-
 @pytest.fixture
 def peer(tmp_path):
     from tests.tiers.peer_fixtures import start_peers
@@ -131,17 +117,7 @@ def peer(tmp_path):
 
 
 def stored_at_a_peer_then_host_reset(make_engine, tmp_path, peer):
-    engine = make_engine(kvtier_config=remote_toml(tmp_path, peer.address))
-    first = engine.add(PREFIX + list(range(500, 540)))
-    engine.run()
-    manager = engine.manager.manager
-    assert manager.lower.engine.wait_idle(10)
-    manager.poll()
-    assert manager.lower.stats.spills_done == manager.stats.stored_rows == 12
-    assert engine.scheduler.reset_connector_cache()
-    engine.evict_device_cache()
-    engine.scramble()
-    return engine, first
+    return stored_then_host_reset(make_engine, tmp_path, remote_toml(tmp_path, peer.address))
 
 
 @pytest.mark.multiprocess
