@@ -83,14 +83,17 @@ class Offloader:
         in the background whether they hold the rest (another engine may have put it).
         """
         hits: int | None = None
+        found = len(keys)
         for count, key in enumerate(keys):
             result = self.manager.lookup(key)
             if result is LookupResult.MISS:
                 self.manager.check_below(keys[count:])  # remote peers may hold the rest
-                return count if hits is None else hits
+                found = count
+                break
             if result is LookupResult.HIT_PENDING and hits is None:
                 hits = count
-        return len(keys) if hits is None else hits
+        self.manager.poll()  # the promotions this lookup started go out as one request per tier
+        return found if hits is None else hits
 
     def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> int | None:
         """Start copying the blocks of ``keys`` out; the job id, or ``None`` if the tier is full.

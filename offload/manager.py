@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 HOST_MEDIUM = "host"
 
+PROMOTION_BATCH = 256
+"""Queued promotions of one tier are sent at the latest when this many wait (else at ``poll``)."""
+
 
 class LookupResult(enum.Enum):
     MISS = "miss"
@@ -153,6 +156,7 @@ class OffloadingManager:
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
         self._quarantine: list[tuple[int, int]] = []  # (group, slot) a tier may still touch
+        self._promotions: dict[int, list[OffloadKey]] = {}  # per tier: queued until the next poll
 
     @property
     def lock(self) -> threading.RLock:
@@ -162,7 +166,7 @@ class OffloadingManager:
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> LookupResult:
-        self.poll()
+        self.apply_finished()  # not poll(): promotions queued by this step's lookups go out together
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
@@ -283,6 +287,7 @@ class OffloadingManager:
         """
         self._step_hits.clear()
         self._last_lookup.clear()
+        self.poll()
 
     def take_events(self) -> list[OffloadingEvent]:
         self.poll()
@@ -311,10 +316,17 @@ class OffloadingManager:
         return True
 
     def poll(self) -> None:
+        """Send queued promotions and checks below, and apply finished lower-tier work."""
+        if self.lower is None:
+            return
+        self._flush_promotions()
+        self.lower.flush_asks()
+        self.apply_finished()
+
+    def apply_finished(self) -> None:
         """Apply finished lower-tier work: promoted rows become readable, spilled rows clean."""
         if self.lower is None:
             return
-        self.lower.flush_asks()
         results = self.lower.drain()
         for result in results:
             if result.kind is OpKind.GET:
@@ -436,12 +448,25 @@ class OffloadingManager:
         allocated = self._allocators[group].allocate(1)
         assert allocated is not None, "eviction freed too few slots"
         slot = allocated[0]
-        if self.lower.get(tier, [(key, self._host_row(group, slot))]) is None:
-            self._allocators[group].free([slot])
-            return False
         self._rows[key] = _Row(group, slot)
         self._policies[group].on_insert(key, self._last_lookup.get(group))
+        queue = self._promotions.setdefault(tier, [])
+        queue.append(key)
+        if len(queue) >= PROMOTION_BATCH:
+            self._flush_promotions()
         return True
+
+    def _flush_promotions(self) -> None:
+        """Send queued promotions, one operation per tier: a prefix moves in one request."""
+        assert self._host_row is not None
+        while self._promotions:
+            tier, keys = self._promotions.popitem()
+            rows = [(bytes(key), self._host_row(self._rows[key].group, self._rows[key].slot)) for key in keys]
+            if self.lower is not None and self.lower.get(tier, rows) is not None:
+                continue
+            for key in keys:  # the tier is saturated: these stay misses
+                self._policies[self._rows[key].group].on_remove(key)
+                self._drop(key, removed_event=False)
 
     def _finish_promotion(self, result: OpResult) -> None:
         assert self.lower is not None

@@ -131,7 +131,7 @@ class KVTierOffloadingManager(OffloadingManager):
         manager = self.manager
         if self._reset_pending and not self._retry_reset():
             return self._miss()
-        manager.poll()
+        manager.apply_finished()  # queued promotions go out together at on_schedule_end
         if key in self._promoting and not manager.contains(key):
             self._promotion_failed(key)
         failed_at = self._failed.get(key)
@@ -225,7 +225,7 @@ class KVTierOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._reset_pending:
             self._retry_reset()
-        self.manager.poll()
+        self.manager.on_schedule_end()  # sends this step's promotions; HITs may be evicted again
         if not self.enable_events:
             self.manager.take_events()  # nobody publishes them: do not let them pile up
 
