@@ -76,6 +76,7 @@ class TierEngine:
         self.safety_deadline_s = 2 * deadline_s + 1.0
         self.max_inflight = max_inflight
         self._inflight = [0] * len(self.tiers)
+        self.submitted: collections.Counter[OpKind] = collections.Counter()  # operations, by kind
         self._results: collections.deque[OpResult] = collections.deque()
         self._idle = threading.Condition()
         self._loop = _new_loop()
@@ -153,6 +154,7 @@ class TierEngine:
             if self._inflight[tier] >= self.max_inflight:
                 return False
             self._inflight[tier] += 1
+            self.submitted[kind] += 1
         asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, keys, operation), self._loop)
         return True
 

@@ -61,6 +61,20 @@ def test_write_through_spills_and_promotes_byte_exact(tmp_path, layout):
         assert stats["lower"]["spills_done"] == 4
 
 
+def test_a_prefix_is_promoted_in_one_request(tmp_path, layout):
+    from offload.tier_engine import OpKind
+
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 8, row, placement="write-through")) as offloader:
+        keys = keys_for("batch", 4)
+        store_each(offloader, keys, range(4))
+        assert offloader.manager.reset()
+        engine = offloader.manager.lower.engine
+        gets_before = engine.submitted[OpKind.GET]
+        assert promote(offloader, keys) == 4
+        assert engine.submitted[OpKind.GET] - gets_before == 1  # four rows, one request
+
+
 def test_write_back_spills_victims_before_eviction(tmp_path, layout):
     kv, groups, row = layout
     cfg = config(tmp_path, 3, row, placement="write-back")
