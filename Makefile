@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make bench   creates .venv, installs kvtier, runs the default benchmark
+#   make bench   creates .venv, installs kvtier, runs the default benchmark (kvtier bench e2e, ~1 min)
 #   make test    creates .venv, installs kvtier with its test extras and vLLM (test-only, for the
 #                connector tests), runs the whole suite
 PYTHON ?= python3
@@ -28,7 +28,7 @@ $(VENV)/.installed-vllm: $(VENV)/.installed tests/vllm/requirements.txt
 install: $(VENV)/.installed
 
 bench: $(VENV)/.installed
-	$(VENV)/bin/kvtier bench copy
+	$(VENV)/bin/kvtier bench e2e
 
 test: $(VENV)/.installed-vllm
 	KVTIER_REQUIRE_VLLM=1 $(PY) -m pytest -q
