@@ -155,7 +155,6 @@ class OffloadingManager:
         self._step_hits: set[OffloadKey] = set()  # reported HIT this step, maybe not yet pinned
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
-        self._quarantine: list[tuple[int, int]] = []  # (group, slot) a tier may still touch
         self._promotions: dict[int, list[OffloadKey]] = {}  # per tier: queued until the next poll
 
     @property
@@ -483,9 +482,8 @@ class OffloadingManager:
             self.lower.stats.promotions_failed += 1
             self.lower.forget(key)
             self._policies[row.group].on_remove(key)
-            if result.abandoned:  # the tier may still write into the slot: never reuse it
+            if result.abandoned:  # the tier may still write into the slot: it never returns to use
                 del self._rows[key]
-                self._quarantine.append((row.group, row.slot))
                 self.stats.quarantined_slots += 1
             else:
                 self._drop(key, removed_event=False)
