@@ -126,9 +126,6 @@ class TierEngine:
         with self._idle:
             return self._idle.wait_for(lambda: self.inflight() == 0, timeout)
 
-    def tier_stats(self) -> list[dict[str, float]]:
-        return [tier.stats() for tier in self.tiers]
-
     def close(self) -> None:
         if not self._started:
             return

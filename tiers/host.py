@@ -58,9 +58,6 @@ class SlotAllocator:
             self._is_free[slot] = 1
             heapq.heappush(self._free, slot)
 
-    def reset(self) -> None:
-        self.__init__(self.num_slots)  # type: ignore[misc]
-
 
 def cuda_available() -> bool:
     """Whether pinned memory means anything here."""
