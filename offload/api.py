@@ -128,8 +128,7 @@ class Offloader:
 
         Also applies finished lower-tier work (promotions, spills).
         """
-        self.manager.poll()
-        self.manager.on_schedule_end()
+        self.manager.on_schedule_end()  # ends the step, and polls the lower tiers
         results = self.worker.get_finished()
         for result in results:
             is_store, keys = self._jobs.pop(result.job_id)

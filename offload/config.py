@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from policies import make_policy
+from policies.placement import ADMISSIONS
 from tiers import sizes
 
 
@@ -44,7 +45,6 @@ class ConfigError(ValueError):
 
 TIER_KINDS = ("host", "disk", "remote")
 PLACEMENTS = ("write-back", "write-through")
-ADMISSIONS = ("all", "seen-twice")
 
 
 def parse_size(value: Any, where: str) -> int:

@@ -116,7 +116,7 @@ class Placement:
         return self.promote
 
 
-_ADMISSIONS = ("all", "seen-twice")
+ADMISSIONS = ("all", "seen-twice")
 
 
 def make_admission(name: str, capacity: int, **params: Any) -> Admission:
@@ -130,7 +130,7 @@ def make_admission(name: str, capacity: int, **params: Any) -> Admission:
             return SeenTwice(capacity, **params)
         except TypeError as exc:
             raise ValueError(f"admission 'seen-twice': bad parameters {params}: {exc}") from exc
-    raise ValueError(f"unknown admission {name!r}: choose one of {list(_ADMISSIONS)}")
+    raise ValueError(f"unknown admission {name!r}: choose one of {list(ADMISSIONS)}")
 
 
 def make_placement(config: Mapping[str, Any] | None, capacity: int) -> Placement:
