@@ -309,8 +309,7 @@ class OffloadingManager:
         self.poll()
         if any(row.pins or row.readers or not row.ready for row in self._rows.values()):
             return False
-        for key in list(self._rows):
-            self._drop(key, removed_event=True)
+        self._drop_many(list(self._rows))  # every row is readable here
         self._policies = [self._make_policy(self.slots_per_group) for _ in range(self.num_groups)]
         return True
 
@@ -376,7 +375,7 @@ class OffloadingManager:
             self._announce_removal(key)
 
     def _drop_many(self, victims: list[OffloadKey]) -> None:
-        """``_drop`` of evicted rows (all readable), freeing each group's slots at once."""
+        """``_drop`` of readable rows (evicted, or a reset), freeing each group's slots at once."""
         freed: dict[int, list[int]] = {}
         rows, lower = self._rows, self.lower
         for key in victims:
