@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 # NIXL logs INFO lines to stdout; keep them out of CLI output and test logs.
 export NIXL_LOG_LEVEL ?= WARN
+# UCX's InfiniBand modules load the system's libibverbs beside the one NIXL bundles, and a
+# process with a NIXL agent then crashes at exit (no RDMA device here; see README).
+export UCX_MODULES ?= ^ib*
 
 .PHONY: bench test lint install clean
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from offload.config import KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
 from offload.manager import LookupResult
+from offload.row_layout import RowLayout
 from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
 from tiers.host import HostTier
@@ -50,14 +51,24 @@ class Offloader:
         block_dims: Mapping[str, int] | None = None,
         blocks_per_key: int = 1,
         shard: tuple[int, int] = (0, 1),
+        kv_layout: str = "NHD",
     ) -> None:
+        """``kv_layout`` names the per-block dims of the given tensors (``"NHD"``: tokens,
+        heads, head dim; or ``"HND"``); see ``offload.layout.canonicalize``. Rows stored by
+        an engine with another physical layout or block size (same model, dtype, shard and
+        tokens per key) are converted as they are promoted (``offload.row_layout``)."""
         if config is None:
             config = default_config()
         elif not isinstance(config, KVTierConfig):
             config = load_config(config)
         self.config = config
         self.caches: CanonicalKVCaches = canonicalize(
-            kv_caches, groups, num_blocks=num_blocks, block_size=block_size, block_dims=block_dims
+            kv_caches,
+            groups,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            block_dims=block_dims,
+            kv_layout=kv_layout,
         )
         self.blocks_per_key = blocks_per_key
         host_cfg = config.host
@@ -69,6 +80,7 @@ class Offloader:
             fingerprint=self.caches.fingerprint,
             dtype=",".join(sorted({str(t.dtype).removeprefix("torch.") for t in kv_caches.values()})),
             shard=shard,
+            row_layout=_chunked(self.caches.row_layout, blocks_per_key),
         )
         self.worker = OffloadingWorker(self.caches, self.host, blocks_per_row=blocks_per_key)
         self._job_ids = itertools.count(1)
@@ -154,6 +166,8 @@ class Offloader:
         lower = self.manager.lower
         if lower is not None:
             stats["lower"] = asdict(lower.stats)
+            converter = lower.engine.converter
+            stats["lower"]["rows_converted"] = converter.converted if converter is not None else 0  # type: ignore[index]
             stats["tiers"] = {tier.kind: tier.stats() for tier in lower.tiers}
         return stats
 
@@ -208,3 +222,11 @@ class Offloader:
                 self.manager.complete_store(keys, success=False)
             raise
         self._jobs[job_id] = (is_store, keys)
+
+
+def _chunked(layout: RowLayout | None, blocks_per_key: int) -> RowLayout | None:
+    """The layout of host rows that hold ``blocks_per_key`` device blocks each."""
+    if layout is None:
+        return None
+    groups = tuple(replace(group, blocks_per_row=blocks_per_key) for group in layout.groups)
+    return replace(layout, groups=groups)

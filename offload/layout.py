@@ -21,8 +21,10 @@ cross-layer ``[blocks, L, 2, t, h, d]``  one for the whole group (zero-copy row)
 MLA ``[blocks, t, latent]``            one per layer
 =====================================  ==========================================
 
-Only addresses, strides and sizes are read; the layout of the bytes inside a segment
-(NHD or HND, K before V) is recorded by the fingerprint, not interpreted.
+Only addresses, strides and sizes decide the refs. Where every layer of a group has the
+same shape, the meaning of a row's bytes is also described (``offload.row_layout``:
+tokens, heads, NHD or HND, read from the strides), so rows convert between engines whose
+physical layouts differ; the fingerprint covers the rest.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from offload.row_layout import HND, NHD, ORDERS, GroupRowLayout, RowLayout
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class CanonicalKVCaches:
     num_blocks: int
     block_size: int
     fingerprint: str
+    row_layout: RowLayout | None = None
+    """What each group's row means, where it can be described (see ``offload.row_layout``);
+    ``None``: rows are opaque, shared only with the same fingerprint."""
 
     @property
     def num_groups(self) -> int:
@@ -110,8 +117,13 @@ def canonicalize(
     num_blocks: int | None = None,
     block_size: int = 16,
     block_dims: Mapping[str, int] | None = None,
+    kv_layout: str = NHD,
 ) -> CanonicalKVCaches:
     """Find each group's full row in ``kv_caches`` (layer name -> tensor).
+
+    ``kv_layout`` names the last three dims of each layer's per-block shape: ``"NHD"``
+    (tokens, heads, head dim, the default) or ``"HND"``. A cache whose strides permute
+    those dims (vLLM's HND stride order over an NHD shape) is read as its memory order.
 
     ``num_blocks`` defaults to what the first layer's shape says (dim 0, or dim 1 for a
     ``[2, num_blocks, ...]`` tensor). The block dimension of a layer is 0, or 1 when dim 0 is
@@ -127,6 +139,8 @@ def canonicalize(
         raise ValueError(f"groups must be a non-empty list of non-empty layer lists, got {groups!r}")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if kv_layout not in ORDERS:
+        raise ValueError(f"kv_layout must be one of {ORDERS}, got {kv_layout!r}")
     grouped = [name for group in groups for name in group]
     for name in grouped:
         if name not in kv_caches:
@@ -144,9 +158,8 @@ def canonicalize(
     unknown = sorted(set(overrides) - set(kv_caches))
     if unknown:
         raise ValueError(f"block_dims names layers {unknown} that have no KV cache tensor")
-    segments = {
-        name: _layer_segments(name, kv_caches[name], num_blocks, overrides.get(name)) for name in kv_caches
-    }
+    dims = {name: _block_dim(name, kv_caches[name], num_blocks, overrides.get(name)) for name in kv_caches}
+    segments = {name: _layer_segments(name, kv_caches[name], dims[name]) for name in kv_caches}
 
     allocations = _find_allocations([seg for segs in segments.values() for seg in segs])
     # Number allocations by where the groups first reach them, not by address: stable across runs.
@@ -183,8 +196,9 @@ def canonicalize(
                     refs.append(CanonicalRef(tensor_idx, seg.size, offset))
         group_refs.append(refs)
 
-    fingerprint = layout_fingerprint(kv_caches, groups, block_size, group_refs, segments)
-    return CanonicalKVCaches(tensors, group_refs, num_blocks, block_size, fingerprint)
+    fingerprint = layout_fingerprint(kv_caches, groups, block_size, group_refs, segments, kv_layout)
+    row_layout = _describe_rows(kv_caches, groups, group_refs, dims, block_size, kv_layout)
+    return CanonicalKVCaches(tensors, group_refs, num_blocks, block_size, fingerprint, row_layout)
 
 
 def _guess_num_blocks(tensor: torch.Tensor) -> int:
@@ -194,10 +208,8 @@ def _guess_num_blocks(tensor: torch.Tensor) -> int:
     return tensor.shape[0]
 
 
-def _layer_segments(
-    name: str, tensor: torch.Tensor, num_blocks: int, block_dim: int | None
-) -> list[_Segment]:
-    """Split one layer into segments: contiguous bytes of one block, at a fixed row stride."""
+def _block_dim(name: str, tensor: torch.Tensor, num_blocks: int, block_dim: int | None) -> int:
+    """The dim that counts blocks: 0, or 1 after a leading K/V pair (``[2, num_blocks, ...]``)."""
     if tensor.dim() < 2:
         raise ValueError(f"layer {name!r}: a KV cache needs at least 2 dims, got shape {tuple(tensor.shape)}")
     if block_dim is None:
@@ -213,10 +225,15 @@ def _layer_segments(
             f"layer {name!r}: dim {block_dim} of shape {tuple(tensor.shape)} has "
             f"{tensor.shape[block_dim]} blocks, expected {num_blocks}"
         )
+    return block_dim
+
+
+def _layer_segments(name: str, tensor: torch.Tensor, block_dim: int) -> list[_Segment]:
+    """Split one layer into segments: dense bytes of one block, at a fixed row stride."""
     inner = tensor.select(block_dim, 0)
     if block_dim == 1:
         inner = inner[0]
-    if not inner.is_contiguous():
+    if not _is_dense(inner):
         raise ValueError(
             f"layer {name!r}: one block's bytes are not contiguous "
             f"(shape {tuple(tensor.shape)}, stride {tensor.stride()})"
@@ -224,7 +241,7 @@ def _layer_segments(
     elem = tensor.element_size()
     size = inner.numel() * elem
     row_stride = tensor.stride(block_dim) * elem
-    if num_blocks > 1 and row_stride < size:
+    if tensor.shape[block_dim] > 1 and row_stride < size:
         raise ValueError(
             f"layer {name!r}: blocks overlap in memory (row stride {row_stride} < block bytes {size})"
         )
@@ -237,6 +254,71 @@ def _layer_segments(
         )
         for half in halves
     ]
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements fill one gap-free range of memory, in some order of the dims
+    (a contiguous tensor, or one whose strides permute its dims)."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz > 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layer_row_shape(
+    tensor: torch.Tensor, block_dim: int, block_size: int, kv_layout: str
+) -> tuple[int, int, int, str] | None:
+    """``(kv, heads, head_bytes, order)`` of one layer's block, or ``None`` if not describable."""
+    inner = tensor.select(block_dim, 0)
+    kv = 1
+    if block_dim == 1:
+        kv, inner = 2, inner[0]
+    elif inner.dim() == 4 and inner.shape[0] == 2:
+        if inner.stride(0) != inner[0].numel():  # K and V interleaved inside a block
+            return None
+        kv, inner = 2, inner[0]
+    if inner.dim() == 2:
+        names: tuple[str, ...] = ("T", "D")
+    elif inner.dim() == 3:
+        names = ("T", "H", "D") if kv_layout == NHD else ("H", "T", "D")
+    else:
+        return None
+    size = dict(zip(names, inner.shape, strict=True))
+    stride = dict(zip(names, inner.stride(), strict=True))
+    if size["T"] != block_size or (size["D"] > 1 and stride["D"] != 1):
+        return None
+    heads = size.get("H", 1)
+    token_major = heads == 1 or block_size == 1 or stride["T"] > stride["H"]
+    return kv, heads, size["D"] * tensor.element_size(), NHD if token_major else HND
+
+
+def _describe_rows(
+    kv_caches: Mapping[str, torch.Tensor],
+    groups: Sequence[Sequence[str]],
+    group_refs: Sequence[Sequence[CanonicalRef]],
+    block_dims: Mapping[str, int],
+    block_size: int,
+    kv_layout: str,
+) -> RowLayout | None:
+    """The ``RowLayout`` of the rows, if every group's layers share one describable shape."""
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in kv_caches.values()}
+    if len(dtypes) != 1:
+        return None
+    layouts = []
+    for group, refs in zip(groups, group_refs, strict=True):
+        shapes = {_layer_row_shape(kv_caches[n], block_dims[n], block_size, kv_layout) for n in group}
+        if len(shapes) != 1 or None in shapes:
+            return None
+        ((kv, heads, head_bytes, order),) = shapes  # type: ignore[misc]
+        layout = GroupRowLayout(len(group), kv, heads, head_bytes, block_size, 1, order)
+        if layout.row_bytes != sum(ref.page_size_bytes for ref in refs):  # layers sharing bytes
+            return None
+        layouts.append(layout)
+    return RowLayout(tuple(layouts), dtypes.pop())
 
 
 def _find_allocations(
@@ -295,6 +377,7 @@ def layout_fingerprint(
     block_size: int,
     group_refs: Sequence[Sequence[CanonicalRef]],
     segments: Mapping[str, Sequence[_Segment]],
+    kv_layout: str = NHD,
 ) -> str:
     """A stable digest of what a stored row's bytes mean.
 
@@ -305,6 +388,7 @@ def layout_fingerprint(
     """
     description = {
         "block_size": block_size,
+        "kv_layout": kv_layout,
         "groups": [
             {
                 "layers": [

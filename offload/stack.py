@@ -10,6 +10,7 @@ from __future__ import annotations
 from offload.config import KVTierConfig
 from offload.manager import OffloadingManager
 from offload.namespace import Namespace
+from offload.row_layout import RowConverter, RowLayout
 from offload.tier_engine import TierEngine
 from offload.tiering import LowerTierChain, build_tier, placement_for
 from policies import make_policy
@@ -24,16 +25,22 @@ def build_manager(
     fingerprint: str,
     dtype: str,
     shard: tuple[int, int] = (0, 1),
+    row_layout: RowLayout | None = None,
 ) -> OffloadingManager:
     """The manager for ``host``, with every lower tier of ``config`` opened and running.
 
     ``fingerprint`` is the layout fingerprint of the rows (``CanonicalKVCaches.fingerprint``);
     with ``dtype`` and ``shard`` it makes the namespace that keys every persisted row.
+    ``row_layout``, where the rows can be described, puts only their logical shape in the
+    namespace instead, so rows of engines with other physical layouts are found, and
+    converted as they land in the host tier.
     Raises ``TierError`` if a lower tier cannot start, ``ConfigError`` for a tier kind
     without an implementation.
     """
     host_cfg = config.host
-    lower = _start_lower_tiers(config, host, fingerprint=fingerprint, dtype=dtype, shard=shard)
+    lower = _start_lower_tiers(
+        config, host, fingerprint=fingerprint, dtype=dtype, shard=shard, row_layout=row_layout
+    )
     host_rows = [slab.numpy() for slab in host.slabs]
     return OffloadingManager(
         host.num_groups,
@@ -45,22 +52,32 @@ def build_manager(
 
 
 def _start_lower_tiers(
-    config: KVTierConfig, host: HostTier, *, fingerprint: str, dtype: str, shard: tuple[int, int]
+    config: KVTierConfig,
+    host: HostTier,
+    *,
+    fingerprint: str,
+    dtype: str,
+    shard: tuple[int, int],
+    row_layout: RowLayout | None,
 ) -> LowerTierChain | None:
     tier_configs = config.lower_tiers
     if not tier_configs:
         return None
+    converter = RowConverter(row_layout) if row_layout is not None else None
     namespace = Namespace(
         model=config.namespace.model,
-        layout_fingerprint=fingerprint,
+        layout=row_layout.logical_description() if row_layout is not None else fingerprint,
         dtype=dtype,
         shard=shard,
         tenant=config.namespace.tenant,
     ).digest()
-    layout_id = layout_id_from_fingerprint(fingerprint)
+    if converter is not None:
+        layout_id, readable = converter.own_id, converter.readable_ids
+    else:
+        layout_id, readable = layout_id_from_fingerprint(fingerprint), frozenset()
     mean_row = sum(host.row_bytes) // len(host.row_bytes)
-    tiers = [build_tier(tier, namespace, layout_id, mean_row) for tier in tier_configs]
+    tiers = [build_tier(tier, namespace, layout_id, mean_row, readable) for tier in tier_configs]
     placements = [placement_for(tier, tier.capacity_bytes // mean_row) for tier in tier_configs]
-    engine = TierEngine(tiers, deadline_s=max(tier.deadline_s for tier in tier_configs))
+    engine = TierEngine(tiers, deadline_s=max(tier.deadline_s for tier in tier_configs), converter=converter)
     engine.start(memoryview(host.buffer.numpy()))
     return LowerTierChain(tiers, placements, engine)

@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from offload.keys import key_group
+from offload.row_layout import RowConverter
 from tiers.base import LowerTier, Row, TierError
 
 log = logging.getLogger(__name__)
@@ -69,9 +71,17 @@ class TierEngine:
     """
 
     def __init__(
-        self, tiers: Sequence[LowerTier], *, deadline_s: float = 2.0, max_inflight: int = 64
+        self,
+        tiers: Sequence[LowerTier],
+        *,
+        deadline_s: float = 2.0,
+        max_inflight: int = 64,
+        converter: RowConverter | None = None,
     ) -> None:
+        """``converter``: rewrites rows a tier served in another engine's layout into ours,
+        after the read and before the row counts as landed (see ``offload.row_layout``)."""
         self.tiers = list(tiers)
+        self.converter = converter
         self.deadline_s = deadline_s
         self.safety_deadline_s = 2 * deadline_s + 1.0
         self.max_inflight = max_inflight
@@ -102,7 +112,13 @@ class TierEngine:
 
     def submit_get(self, op_id: int, tier: int, rows: Sequence[Row]) -> bool:
         rows = list(rows)
-        return self._submit(op_id, OpKind.GET, tier, [k for k, _ in rows], lambda: self.tiers[tier].get(rows))
+        if self.converter is None:
+            return self._submit(
+                op_id, OpKind.GET, tier, [k for k, _ in rows], lambda: self.tiers[tier].get(rows)
+            )
+        return self._submit(
+            op_id, OpKind.GET, tier, [k for k, _ in rows], lambda: self._get_converted(tier, rows)
+        )
 
     def submit_contains(self, op_id: int, tier: int, keys: Sequence[bytes]) -> bool:
         """Ask a tier which ``keys`` it holds (``ok[i]``: found); nothing moves."""
@@ -187,6 +203,24 @@ class TierEngine:
         with self._idle:
             self._inflight[tier] -= 1
             self._idle.notify_all()
+
+    async def _get_converted(self, tier: int, rows: list[Row]) -> list[bool]:
+        """``get``, then rows that arrived in another layout rewritten into ours, off the loop
+        (a permuted copy of each row, on the CPU)."""
+        assert self.converter is not None
+        layouts: list[bytes | None] = [None] * len(rows)
+        ok = await self.tiers[tier].get(rows, layouts)
+        foreign = [i for i, hit in enumerate(ok) if hit and layouts[i] not in (None, self.converter.own_id)]
+        if foreign:
+            converter = self.converter
+
+            def convert() -> list[bool]:
+                return [converter.convert(key_group(rows[i][0]), rows[i][1], layouts[i]) for i in foreign]
+
+            converted = await self._loop.run_in_executor(None, convert)
+            for i, good in zip(foreign, converted, strict=True):
+                ok[i] = good
+        return ok
 
     def _call(self, coroutine: Awaitable[T], timeout: float) -> T:
         """Run a coroutine on the engine loop from another thread and wait for it (start/close only)."""

@@ -48,8 +48,15 @@ def placement_for(tier: TierConfig, capacity_rows: int) -> Placement:
     )
 
 
-def build_tier(tier: TierConfig, namespace: bytes, layout_id: bytes, row_bytes: int) -> LowerTier:
-    """The lower tier a config entry describes, keyed by ``namespace``, serving rows of ``layout_id``.
+def build_tier(
+    tier: TierConfig,
+    namespace: bytes,
+    layout_id: bytes,
+    row_bytes: int,
+    readable_layouts: frozenset[bytes] = frozenset(),
+) -> LowerTier:
+    """The lower tier a config entry describes, keyed by ``namespace``, storing rows of
+    ``layout_id`` and serving those and rows of ``readable_layouts`` (converted on landing).
 
     ``row_bytes`` is the usual row size, for tiers that size their policy in rows.
     """
@@ -65,6 +72,7 @@ def build_tier(tier: TierConfig, namespace: bytes, layout_id: bytes, row_bytes: 
             eviction=tier.eviction,
             eviction_params=dict(tier.eviction_params),
             row_bytes=row_bytes,
+            readable_layouts=readable_layouts,
         )
     if tier.kind == "remote":
         from tiers.remote import RemoteTier
@@ -75,6 +83,7 @@ def build_tier(tier: TierConfig, namespace: bytes, layout_id: bytes, row_bytes: 
             layout_id,
             token=_read_token(tier.token_file),
             deadline_s=tier.deadline_s,
+            readable_layouts=readable_layouts,
         )
     raise ConfigError(f"tiers: kind {tier.kind!r} has no lower-tier implementation")
 

@@ -11,6 +11,11 @@ import os
 
 import pytest
 
+# NIXL's wheel bundles its own libibverbs; where the system has one too (Debian's
+# libibverbs1, which Mooncake needs), UCX's InfiniBand modules load both, and every process
+# with a NIXL agent dies with SIGSEGV at exit. There is no RDMA device here: skip them.
+os.environ.setdefault("UCX_MODULES", "^ib*")
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":

@@ -20,9 +20,11 @@ Call contract:
   written, a database locked by another process) raises ``TierError`` here.
 - ``put(rows)`` stores ``(key, row)`` pairs; the result says per key whether the row is
   now stored (a full tier, a dead peer: ``False``, counted, never raised).
-- ``get(rows)`` reads into the given buffers; per key ``True`` means the buffer now holds
-  the verified row, ``False`` is a miss and the buffer's bytes are undefined (the caller
-  never hands them to the engine).
+- ``get(rows, layouts=None)`` reads into the given buffers; per key ``True`` means the
+  buffer now holds the verified row, ``False`` is a miss and the buffer's bytes are
+  undefined (the caller never hands them to the engine). A tier serves rows whose header
+  names its own layout id or one of the ``readable_layouts`` it was built with (layouts
+  its owner converts from); when ``layouts`` is given it receives each hit's layout id.
 - ``contains(keys)`` is the authoritative, possibly remote, check; ``may_contain(key)`` is
   a cheap local guess (exact for disk, "what this client put" for remote).
 - Every call finishes within the tier's deadline; ``close()`` releases everything.
@@ -61,7 +63,7 @@ class LowerTier(ABC):
     async def put(self, rows: Sequence[Row]) -> list[bool]: ...
 
     @abstractmethod
-    async def get(self, rows: Sequence[Row]) -> list[bool]: ...
+    async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]: ...
 
     @abstractmethod
     async def delete(self, keys: Sequence[bytes]) -> None: ...

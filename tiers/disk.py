@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -115,6 +115,7 @@ class DiskTier(LowerTier):
         map_margin_bytes: int | None = None,
         row_bytes: int | None = None,
         read_threads: int = 4,
+        readable_layouts: Collection[bytes] = (),
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
@@ -134,6 +135,7 @@ class DiskTier(LowerTier):
         self.capacity_bytes = capacity_bytes
         self.namespace = namespace
         self.layout_id = layout_id
+        self.layouts = frozenset({layout_id, *readable_layouts})  # what get may serve
         self.sync = sync
         self.row_bytes = row_bytes
         self.read_threads = read_threads
@@ -330,8 +332,11 @@ class DiskTier(LowerTier):
 
     # -- reads ---------------------------------------------------------------------------
 
-    async def get(self, rows: Sequence[Row]) -> list[bool]:
+    async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
         """Copy stored rows into the given buffers; ``True`` only for a verified row.
+
+        A row is served when its header names this tier's layout or one of the
+        ``readable_layouts``; ``layouts``, when given, receives each hit's layout id.
 
         Keys not in the index are misses without I/O. The rest are read in up to
         ``read_threads`` chunks at once. A corrupt row is deleted (on the writer thread,
@@ -349,13 +354,16 @@ class DiskTier(LowerTier):
             readers = self._pool(self._readers)
             step = -(-len(wanted) // min(self.read_threads, len(wanted)))
             chunks = [wanted[at : at + step] for at in range(0, len(wanted), step)]
+            served: list[bytes | None] = [None] * len(rows)
             outcomes = await asyncio.gather(
-                *(loop.run_in_executor(readers, self._read_blocking, chunk) for chunk in chunks)
+                *(loop.run_in_executor(readers, self._read_blocking, chunk, served) for chunk in chunks)
             )
             corrupt: list[bytes] = []
             for chunk, chunk_outcomes in zip(chunks, outcomes, strict=True):
                 for (i, key, _), outcome in zip(chunk, chunk_outcomes, strict=True):
                     results[i] = outcome is ReadOutcome.HIT
+                    if layouts is not None:
+                        layouts[i] = served[i]
                     if outcome is ReadOutcome.CORRUPT:
                         corrupt.append(key)
             if corrupt:
@@ -364,10 +372,13 @@ class DiskTier(LowerTier):
             self._counters["misses"] += misses
         return results
 
-    def _read_blocking(self, chunk: list[tuple[int, bytes, memoryview]]) -> list[ReadOutcome]:
+    def _read_blocking(
+        self, chunk: list[tuple[int, bytes, memoryview]], served: list[bytes | None]
+    ) -> list[ReadOutcome]:
+        chunk_served: list[bytes | None] = [None] * len(chunk)
         try:
             outcomes = self._store.read_into(
-                [(self.namespace + key, dst) for _, key, dst in chunk], self.layout_id
+                [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts, chunk_served
             )
         except lmdb.Error as exc:
             with self._index.mutex:
@@ -375,6 +386,8 @@ class DiskTier(LowerTier):
                 self._counters["misses"] += len(chunk)
             self._warn_once("read", "disk tier at %s: a read of %d rows failed: %s", exc, len(chunk))
             return [ReadOutcome.ERROR] * len(chunk)
+        for (i, _, _), layout in zip(chunk, chunk_served, strict=True):
+            served[i] = layout
         with self._index.mutex:
             hits = [key for (_, key, _), out in zip(chunk, outcomes, strict=True) if out is ReadOutcome.HIT]
             self._index.hit(reversed(hits))  # tail first, as the policy contract asks
@@ -393,7 +406,7 @@ class DiskTier(LowerTier):
 
     def _drop_corrupt_blocking(self, keys: list[bytes]) -> None:
         try:
-            deleted = self._store.delete_corrupt([self.namespace + key for key in keys], self.layout_id)
+            deleted = self._store.delete_corrupt([self.namespace + key for key in keys], self.layouts)
         except lmdb.Error as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1

@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
 
@@ -107,13 +107,16 @@ def _node_max(page_size: int) -> int:
 
 
 def check_header(
-    head: memoryview | bytes, value_len: int, layout_id: bytes
+    head: memoryview | bytes, value_len: int, layouts: Set[bytes]
 ) -> tuple[ReadOutcome, RowHeader | None]:
-    """What a stored value is, from its header and length (the checksum comes after the copy)."""
+    """What a stored value is, from its header and length (the checksum comes after the copy).
+
+    ``layouts``: the layout ids the reader can use.
+    """
     header = RowHeader.unpack(head)
     if header is None or header.row_length != value_len - HEADER_BYTES:
         return ReadOutcome.CORRUPT, header
-    if header.version != VERSION or header.layout_id != layout_id:
+    if header.version != VERSION or header.layout_id not in layouts:
         return ReadOutcome.MISMATCH, header
     return ReadOutcome.HIT, header
 
@@ -229,8 +232,16 @@ class LmdbStore:
                 txn.put(key, view[:end], db=self._rows)  # LMDB copies the value; the scratch is reused
                 txn.put(key, _INDEX.pack(end, seq), db=self._index)
 
-    def read_into(self, items: Sequence[tuple[bytes, memoryview]], layout_id: bytes) -> list[ReadOutcome]:
+    def read_into(
+        self,
+        items: Sequence[tuple[bytes, memoryview]],
+        layouts: Set[bytes],
+        served: list[bytes | None] | None = None,
+    ) -> list[ReadOutcome]:
         """Copy each stored row into its buffer (one read transaction); the outcome per key.
+
+        ``layouts``: the layout ids the reader can use; ``served``, when given, receives
+        each hit's layout id (the row's bytes are in that layout).
 
         Rows are located first and their reads announced to the kernel (``WILLNEED``), so
         the whole batch is read from the device at once rather than row after row. The
@@ -256,12 +267,14 @@ class LmdbStore:
                 if not self._copy(cursor, key, overflow, length, parts):
                     outcomes[i] = ReadOutcome.ERROR
                     continue
-                outcome, header = check_header(head, length, layout_id)
+                outcome, header = check_header(head, length, layouts)
                 if outcome is ReadOutcome.HIT and len(parts) == 1:
                     outcome = ReadOutcome.WRONG_LENGTH
-                elif outcome is ReadOutcome.HIT and verify(header, layout_id, dst) is not None:
+                elif outcome is ReadOutcome.HIT and verify(header, layouts, dst) is not None:
                     outcome = ReadOutcome.CORRUPT
                 outcomes[i] = outcome
+                if served is not None and outcome is ReadOutcome.HIT and header is not None:
+                    served[i] = header.layout_id
         return outcomes
 
     def _find(self, cursor: lmdb.Cursor, key: bytes) -> tuple[int, int | None] | None:
@@ -317,7 +330,7 @@ class LmdbStore:
             at += len(part)
         return True
 
-    def delete_corrupt(self, keys: Sequence[bytes], layout_id: bytes) -> list[bytes]:
+    def delete_corrupt(self, keys: Sequence[bytes], layouts: Set[bytes]) -> list[bytes]:
         """Delete those ``keys`` whose stored value is still corrupt; the keys deleted.
 
         Re-checked inside the write transaction, so a sound row put since the read that
@@ -329,7 +342,7 @@ class LmdbStore:
                 value = txn.get(key, db=self._rows)
                 if value is None:
                     continue
-                outcome, header = check_header(value[:HEADER_BYTES], len(value), layout_id)
+                outcome, header = check_header(value[:HEADER_BYTES], len(value), layouts)
                 if outcome is ReadOutcome.HIT and header is not None:
                     if checksum(value[HEADER_BYTES:]) == header.checksum:
                         continue

@@ -51,7 +51,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -127,7 +127,8 @@ class RemoteTier(LowerTier):
     """A client of one or more ``kvtier peer`` processes; see the module docstring.
 
     ``peers``: ``"host:port"`` strings. ``namespace``: prefixes every key on the wire.
-    ``layout_id``: the 16-byte layout id every row header must carry. ``token``: the shared
+    ``layout_id``: the 16-byte layout id of the rows this client puts; ``get`` also serves
+    rows of ``readable_layouts`` (layouts its owner converts from). ``token``: the shared
     secret of the peers (``None``: peers started without one). ``deadline_s``: the most any
     call takes (control messages and transfers together). ``backoff_s``/``max_backoff_s``:
     how long a failed peer rests before it is tried again (doubling per failure).
@@ -153,6 +154,7 @@ class RemoteTier(LowerTier):
         transfer_bytes: int = 32 << 20,
         keys_per_request: int = 1024,
         max_tracked_keys: int = 1 << 20,
+        readable_layouts: Collection[bytes] = (),
     ) -> None:
         if not peers:
             raise ValueError("the remote tier needs at least one peer")
@@ -170,6 +172,7 @@ class RemoteTier(LowerTier):
             self._peers.append(_Peer(address, host, port, _peer_seed(address), i * _SCRATCH_PER_PEER))
         self.namespace = bytes(namespace)
         self.layout_id = bytes(layout_id)
+        self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
         self.token = token
         self.deadline_s = deadline_s
         self.backoff_s = backoff_s
@@ -295,8 +298,13 @@ class RemoteTier(LowerTier):
                 self._remember(bytes(key))
         return stored
 
-    async def get(self, rows: Sequence[Row]) -> list[bool]:
-        loaded = await self._by_parts(rows, self._get_part)
+    async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
+        """READ rows into the buffers; ``layouts``, when given, receives each hit's layout id."""
+        served: list[bytes | None] = [None] * len(rows)
+        loaded = await self._by_parts(rows, partial(self._get_part, served=served))
+        if layouts is not None:
+            for i, hit in enumerate(loaded):
+                layouts[i] = served[i] if hit else None
         hits = sum(loaded)
         self._counters["hits"] += hits
         self._counters["misses"] += len(rows) - hits
@@ -473,6 +481,8 @@ class RemoteTier(LowerTier):
         addrs: list[int],
         loaded: list[bool],
         deadline: float,
+        *,
+        served: list[bytes | None],
     ) -> None:
         client = link.client
         lease_id, entries = await client.get([wire[i] for i in idxs], deadline)
@@ -483,13 +493,15 @@ class RemoteTier(LowerTier):
                 if entry is None:
                     continue
                 slot, raw = entry
-                why = self._unservable(RowHeader.unpack(raw), len(views[i]), link.welcome.slot_bytes)
-                if why is not None:
+                header = RowHeader.unpack(raw)
+                why = self._unservable(header, len(views[i]), link.welcome.slot_bytes)
+                if why is not None or header is None:
                     self._counters["corrupt"] += 1
                     log.warning("peer %s: a row not read (%s): a miss", link.peer.address, why)
                     continue
                 reads.append((i, slot))
-                expected[i] = RowHeader.unpack(raw).checksum  # type: ignore[union-attr]
+                expected[i] = header.checksum
+                served[i] = header.layout_id
             if reads:
                 await self._read_and_verify(link, reads, views, addrs, expected, loaded, deadline)
         finally:
@@ -502,7 +514,7 @@ class RemoteTier(LowerTier):
             return "no valid header"
         if header.version != ROW_FORMAT_VERSION:
             return f"format version {header.version}"
-        if header.layout_id != self.layout_id:
+        if header.layout_id not in self.layouts:
             return "another layout"
         if header.row_length != length or length > slot_bytes:
             return f"length {header.row_length}, expected {length}"

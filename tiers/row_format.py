@@ -11,6 +11,7 @@ flipped bit or a foreign row is therefore a miss, never garbage.
 from __future__ import annotations
 
 import struct
+from collections.abc import Set
 from dataclasses import dataclass
 
 import xxhash
@@ -60,13 +61,16 @@ class RowHeader:
         return cls(layout_id, length, digest, version)
 
 
-def verify(header: RowHeader | None, layout_id: bytes, row: memoryview | bytes) -> str | None:
-    """Why ``row`` must not be served under ``header`` (a short reason), or ``None`` if it may."""
+def verify(header: RowHeader | None, layouts: Set[bytes], row: memoryview | bytes) -> str | None:
+    """Why ``row`` must not be served under ``header`` (a short reason), or ``None`` if it may.
+
+    ``layouts``: the layout ids the reader can use (its own, and those it converts from).
+    """
     if header is None:
         return "no valid header"
     if header.version != VERSION:
         return f"format version {header.version}, expected {VERSION}"
-    if header.layout_id != layout_id:
+    if header.layout_id not in layouts:
         return "another layout"
     if header.row_length != len(row):
         return f"length {header.row_length}, expected {len(row)}"

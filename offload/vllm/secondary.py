@@ -79,7 +79,7 @@ class _KVTierSecondaryTier(SecondaryTierManager):
         fingerprint = primary_row_fingerprint(offloading_spec, self.block_size_bytes)
         namespace = Namespace(
             model=model or config.model.name,
-            layout_fingerprint=fingerprint,
+            layout=fingerprint,
             dtype=config.model.dtype,
             tenant=tenant,
         ).digest()
