@@ -22,6 +22,7 @@ BENCHMARKS = {
     "policy": ("bench.policy", "eviction policies on traces against Belady's OPT and vLLM"),
     "disk": ("bench.disk", "LMDB disk tier row writes and reads against plain file I/O"),
     "remote": ("bench.remote", "peer tier gets and puts against a raw NIXL transfer"),
+    "convert": ("bench.convert", "loading rows stored by an engine of another layout vs the same layout"),
     "e2e": ("bench.e2e", "long-context workloads end to end: hits per tier, load latency, TTFT"),
 }
 COMMANDS = {
