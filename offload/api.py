@@ -29,7 +29,7 @@ from offload.config import KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
 from offload.manager import LookupResult
-from offload.row_layout import RowLayout
+from offload.row_layout import RowConverter, RowLayout
 from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
 from tiers.host import HostTier
@@ -52,11 +52,14 @@ class Offloader:
         blocks_per_key: int = 1,
         shard: tuple[int, int] = (0, 1),
         kv_layout: str = "NHD",
+        convert_on_load: bool | None = None,
     ) -> None:
         """``kv_layout`` names the per-block dims of the given tensors (``"NHD"``: tokens,
         heads, head dim; or ``"HND"``); see ``offload.layout.canonicalize``. Rows stored by
         an engine with another physical layout or block size (same model, dtype, shard and
-        tokens per key) are converted as they are promoted (``offload.row_layout``)."""
+        tokens per key) are converted (``offload.row_layout``): by the worker as it loads
+        them (``convert_on_load``, the default on a GPU: torch ops in device memory), else on
+        the CPU once, as they land in the host tier (the default on CPU)."""
         if config is None:
             config = default_config()
         elif not isinstance(config, KVTierConfig):
@@ -71,6 +74,10 @@ class Offloader:
             kv_layout=kv_layout,
         )
         self.blocks_per_key = blocks_per_key
+        row_layout = _chunked(self.caches.row_layout, blocks_per_key)
+        converter = RowConverter(row_layout) if row_layout is not None else None
+        if convert_on_load is None:
+            convert_on_load = self.caches.device.type != "cpu"
         host_cfg = config.host
         row_bytes = [self.caches.row_bytes(g) * blocks_per_key for g in range(self.caches.num_groups)]
         self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
@@ -80,9 +87,12 @@ class Offloader:
             fingerprint=self.caches.fingerprint,
             dtype=",".join(sorted({str(t.dtype).removeprefix("torch.") for t in kv_caches.values()})),
             shard=shard,
-            row_layout=_chunked(self.caches.row_layout, blocks_per_key),
+            converter=converter,
+            convert_on_landing=not convert_on_load,
         )
-        self.worker = OffloadingWorker(self.caches, self.host, blocks_per_row=blocks_per_key)
+        self.worker = OffloadingWorker(
+            self.caches, self.host, blocks_per_row=blocks_per_key, converter=converter
+        )
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, tuple[bool, list[OffloadKey]]] = {}
 
@@ -129,7 +139,14 @@ class Offloader:
         self.manager.touch(keys)
         job_id = next(self._job_ids)
         try:
-            self._submit(job_id, spec.keys, spec.per_group(self.caches.num_groups), blocks_of, is_store=False)
+            self._submit(
+                job_id,
+                spec.keys,
+                spec.per_group(self.caches.num_groups),
+                blocks_of,
+                is_store=False,
+                layouts=spec.layouts_per_group(self.caches.num_groups),
+            )
         except ValueError:
             self.manager.complete_load(keys)
             raise
@@ -167,7 +184,8 @@ class Offloader:
         if lower is not None:
             stats["lower"] = asdict(lower.stats)
             converter = lower.engine.converter
-            stats["lower"]["rows_converted"] = converter.converted if converter is not None else 0  # type: ignore[index]
+            landed = converter.converted if converter is not None else 0
+            stats["lower"]["rows_converted"] = landed + self.worker.rows_converted  # type: ignore[index]
             stats["tiers"] = {tier.kind: tier.stats() for tier in lower.tiers}
         return stats
 
@@ -210,13 +228,16 @@ class Offloader:
         blocks_of: dict[OffloadKey, list[int]],
         *,
         is_store: bool,
+        layouts: list[list[bytes | None]] | None = None,
     ) -> None:
         blocks: list[list[int]] = [[] for _ in range(self.caches.num_groups)]
         for key in keys:
             blocks[key_group(key)].extend(blocks_of[key])
-        submit = self.worker.submit_store if is_store else self.worker.submit_load
         try:
-            submit(job_id, blocks, slots)
+            if is_store:
+                self.worker.submit_store(job_id, blocks, slots)
+            else:
+                self.worker.submit_load(job_id, blocks, slots, row_layouts=layouts)
         except ValueError:
             if is_store:
                 self.manager.complete_store(keys, success=False)

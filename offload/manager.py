@@ -65,12 +65,22 @@ class HostSlots:
 
     keys: list[OffloadKey]
     slots: list[int]
+    layouts: list[bytes | None] | None = None
+    """Loads only: per key, the layout id of a row still in another engine's layout (the
+    worker converts it as it loads it), ``None`` for a row in ours; ``None``: all ours."""
 
     def per_group(self, num_groups: int) -> list[list[int]]:
         """Slots split by the group of their key, keeping order within a group."""
-        grouped: list[list[int]] = [[] for _ in range(num_groups)]
-        for key, slot in zip(self.keys, self.slots, strict=True):
-            grouped[key_group(key)].append(slot)
+        return self._split(self.slots, num_groups)
+
+    def layouts_per_group(self, num_groups: int) -> list[list[bytes | None]] | None:
+        """``layouts`` split like ``per_group``, or ``None`` when every row is in our layout."""
+        return None if self.layouts is None else self._split(self.layouts, num_groups)
+
+    def _split(self, values: Sequence, num_groups: int) -> list[list]:
+        grouped: list[list] = [[] for _ in range(num_groups)]
+        for key, value in zip(self.keys, values, strict=True):
+            grouped[key_group(key)].append(value)
         return grouped
 
 
@@ -96,6 +106,7 @@ class _Row:
     pins: int = 0  # loads in flight (device <- host)
     readers: int = 0  # copies down in flight (host -> lower tier)
     dirty: bool = False  # must reach a write-back tier before it is evicted
+    layout: bytes | None = None  # promoted in another engine's layout: converted on load
 
 
 @dataclass
@@ -199,7 +210,8 @@ class OffloadingManager:
             rows.append(row)
         for row in rows:
             row.pins += 1
-        return HostSlots(list(keys), [row.slot for row in rows])
+        layouts = [row.layout for row in rows]
+        return HostSlots(list(keys), [row.slot for row in rows], layouts if any(layouts) else None)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         for key in reversed(keys):
@@ -468,13 +480,15 @@ class OffloadingManager:
 
     def _finish_promotion(self, result: OpResult) -> None:
         assert self.lower is not None
-        for key, ok in zip(result.keys, result.ok, strict=True):
+        layouts = result.layouts or [None] * len(result.keys)
+        for key, ok, layout in zip(result.keys, result.ok, layouts, strict=True):
             key = OffloadKey(key)
             row = self._rows.get(key)
             if row is None:  # cannot happen: a promoting row is never evictable
                 continue
             if ok:
                 row.ready = True
+                row.layout = layout
                 self._events.stored[key] = None
                 self.lower.stats.promotions_done += 1
                 continue

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from offload.layout import CanonicalKVCaches, widest_int_dtype
+from offload.row_layout import GroupRowLayout, convert_row
 
 ROW_COPY_MIN_BYTES = 256 * 2**10
 """A CPU load scatters rows at least this big with one ``copy_`` each: measured here, a
@@ -99,6 +100,7 @@ class RowCopier:
                 f"{blocks_per_row} x {sub_row} B"
             )
         band = slice(host_offset_bytes, host_offset_bytes + self.block_bytes)
+        self.host_slab = host_slab
         self.host_rows = host_slab.view(-1, sub_row)[:, band]
         self.device = caches.device
         self.columns: list[_RefColumns] = []
@@ -156,6 +158,40 @@ class RowCopier:
                     else:
                         tasks.append(partial(col.device.index_copy_, 0, index, col.host[r0:r1]))
         return tasks
+
+    def converting_load(
+        self,
+        slot: int,
+        blocks: Sequence[int],
+        sub_rows: Sequence[int],
+        source: GroupRowLayout,
+        target: GroupRowLayout,
+    ) -> Task:
+        """The load of a host row written in ``source`` layout: ``sub_rows[i]`` of the row,
+        rewritten into ``target`` (ours), into device block ``blocks[i]``.
+
+        The row is copied to the device whole (a DMA on CUDA), rewritten there with torch
+        (``convert_row``: two passes in device memory) and scattered into the blocks like a
+        staged load. On CPU the same steps run on CPU tensors.
+        """
+        if self.host_rows.shape[1] * self.blocks_per_row != self.host_slab.shape[1]:
+            raise ValueError("rows of another layout cannot be converted into a host row with bands")
+        return partial(self._converting_load, slot, list(blocks), list(sub_rows), source, target)
+
+    def _converting_load(
+        self,
+        slot: int,
+        blocks: list[int],
+        sub_rows: list[int],
+        source: GroupRowLayout,
+        target: GroupRowLayout,
+    ) -> None:
+        staged = self.host_slab[slot].to(self.device, non_blocking=True, copy=True)
+        convert_row(staged, source, target)
+        subs = staged.view(self.blocks_per_row, self.block_bytes)[sub_rows]
+        index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        for col, stage_cols in zip(self.columns, self._stage_columns(subs), strict=True):
+            col.device.index_copy_(0, index, stage_cols)
 
     def _staged_copy(self, blocks: list[int], rows: list[int], store: bool) -> None:
         for r0, r1, index, stage in self._staged_runs(blocks, rows):

@@ -128,7 +128,7 @@ def convert_row(row: torch.Tensor, source: GroupRowLayout, target: GroupRowLayou
     words = row.view(_word_dtype(source.head_bytes, row))
     layers, kv, heads, _, tokens = source.logical()
     as_tokens = source.token_view(words)
-    ordered = torch.empty(as_tokens.shape, dtype=as_tokens.dtype)  # never aliases the row
+    ordered = torch.empty(as_tokens.shape, dtype=as_tokens.dtype, device=row.device)  # never aliases the row
     ordered.copy_(as_tokens)
     target.token_view(words).copy_(
         ordered.view(layers, kv, tokens, heads, -1).view(
@@ -162,6 +162,13 @@ class RowConverter:
     def readable_ids(self) -> frozenset[bytes]:
         return frozenset(self._sources)
 
+    def source(self, group: int, layout_id: bytes) -> GroupRowLayout | None:
+        """The layout of ``group``'s rows written under ``layout_id``, if we convert from it."""
+        variant = self._sources.get(layout_id)
+        if variant is None or not 0 <= group < len(variant.groups):
+            return None
+        return variant.groups[group]
+
     def convert(self, group: int, row: memoryview, layout_id: bytes | None) -> bool:
         """Make ``row`` (a host row of ``group`` in layout ``layout_id``) a row of our layout.
 
@@ -170,9 +177,9 @@ class RowConverter:
         """
         if layout_id is None or layout_id == self.own_id:
             return True
-        source = self._sources.get(layout_id)
-        if source is None or not 0 <= group < len(self.own.groups):
+        source = self.source(group, layout_id)
+        if source is None:
             return False
-        convert_row(torch.frombuffer(row, dtype=torch.uint8), source.groups[group], self.own.groups[group])
+        convert_row(torch.frombuffer(row, dtype=torch.uint8), source, self.own.groups[group])
         self.converted += 1
         return True

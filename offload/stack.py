@@ -10,7 +10,7 @@ from __future__ import annotations
 from offload.config import KVTierConfig
 from offload.manager import OffloadingManager
 from offload.namespace import Namespace
-from offload.row_layout import RowConverter, RowLayout
+from offload.row_layout import RowConverter
 from offload.tier_engine import TierEngine
 from offload.tiering import LowerTierChain, build_tier, placement_for
 from policies import make_policy
@@ -25,21 +25,29 @@ def build_manager(
     fingerprint: str,
     dtype: str,
     shard: tuple[int, int] = (0, 1),
-    row_layout: RowLayout | None = None,
+    converter: RowConverter | None = None,
+    convert_on_landing: bool = True,
 ) -> OffloadingManager:
     """The manager for ``host``, with every lower tier of ``config`` opened and running.
 
     ``fingerprint`` is the layout fingerprint of the rows (``CanonicalKVCaches.fingerprint``);
     with ``dtype`` and ``shard`` it makes the namespace that keys every persisted row.
-    ``row_layout``, where the rows can be described, puts only their logical shape in the
-    namespace instead, so rows of engines with other physical layouts are found, and
-    converted as they land in the host tier.
+    ``converter``, where the rows can be described (``RowConverter`` of their layout), puts
+    only their logical shape in the namespace instead, so rows of engines with other
+    physical layouts are found; they are converted as they land in the host tier
+    (``convert_on_landing``) or left for the worker to convert on load.
     Raises ``TierError`` if a lower tier cannot start, ``ConfigError`` for a tier kind
     without an implementation.
     """
     host_cfg = config.host
     lower = _start_lower_tiers(
-        config, host, fingerprint=fingerprint, dtype=dtype, shard=shard, row_layout=row_layout
+        config,
+        host,
+        fingerprint=fingerprint,
+        dtype=dtype,
+        shard=shard,
+        converter=converter,
+        convert_on_landing=convert_on_landing,
     )
     host_rows = [slab.numpy() for slab in host.slabs]
     return OffloadingManager(
@@ -58,15 +66,15 @@ def _start_lower_tiers(
     fingerprint: str,
     dtype: str,
     shard: tuple[int, int],
-    row_layout: RowLayout | None,
+    converter: RowConverter | None,
+    convert_on_landing: bool,
 ) -> LowerTierChain | None:
     tier_configs = config.lower_tiers
     if not tier_configs:
         return None
-    converter = RowConverter(row_layout) if row_layout is not None else None
     namespace = Namespace(
         model=config.namespace.model,
-        layout=row_layout.logical_description() if row_layout is not None else fingerprint,
+        layout=converter.own.logical_description() if converter is not None else fingerprint,
         dtype=dtype,
         shard=shard,
         tenant=config.namespace.tenant,

@@ -51,6 +51,9 @@ class OpResult:
     seconds: float
     abandoned: bool = False
     """The tier overran the engine's safety deadline and may still touch the rows' memory."""
+    layouts: list[bytes | None] | None = None
+    """GET only: per key, the layout id of a row that landed in another engine's layout and
+    was left for the worker to convert on load; ``None`` where the row is in ours."""
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -77,11 +80,15 @@ class TierEngine:
         deadline_s: float = 2.0,
         max_inflight: int = 64,
         converter: RowConverter | None = None,
+        convert_on_landing: bool = True,
     ) -> None:
-        """``converter``: rewrites rows a tier served in another engine's layout into ours,
-        after the read and before the row counts as landed (see ``offload.row_layout``)."""
+        """``converter``: which layouts tiers may serve us (``offload.row_layout``). A row that
+        lands in another engine's layout is rewritten into ours right after the read, before
+        it counts as landed (``convert_on_landing``: the CPU path), or reported in
+        ``OpResult.layouts`` for the worker to convert as it loads it (on the device)."""
         self.tiers = list(tiers)
         self.converter = converter
+        self.convert_on_landing = convert_on_landing
         self.deadline_s = deadline_s
         self.safety_deadline_s = 2 * deadline_s + 1.0
         self.max_inflight = max_inflight
@@ -112,12 +119,12 @@ class TierEngine:
 
     def submit_get(self, op_id: int, tier: int, rows: Sequence[Row]) -> bool:
         rows = list(rows)
+        keys = [k for k, _ in rows]
         if self.converter is None:
-            return self._submit(
-                op_id, OpKind.GET, tier, [k for k, _ in rows], lambda: self.tiers[tier].get(rows)
-            )
+            return self._submit(op_id, OpKind.GET, tier, keys, lambda: self.tiers[tier].get(rows))
+        layouts: list[bytes | None] = [None] * len(rows)
         return self._submit(
-            op_id, OpKind.GET, tier, [k for k, _ in rows], lambda: self._get_converted(tier, rows)
+            op_id, OpKind.GET, tier, keys, lambda: self._get_in_any_layout(tier, rows, layouts), layouts
         )
 
     def submit_contains(self, op_id: int, tier: int, keys: Sequence[bytes]) -> bool:
@@ -162,13 +169,14 @@ class TierEngine:
         tier: int,
         keys: list[bytes],
         operation: Callable[[], Awaitable[list[bool]]],
+        layouts: list[bytes | None] | None = None,
     ) -> bool:
         with self._idle:
             if self._inflight[tier] >= self.max_inflight:
                 return False
             self._inflight[tier] += 1
             self.submitted[kind] += 1
-        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, keys, operation), self._loop)
+        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, keys, operation, layouts), self._loop)
         return True
 
     async def _run(
@@ -178,6 +186,7 @@ class TierEngine:
         tier: int,
         keys: list[bytes],
         operation: Callable[[], Awaitable[list[bool]]],
+        layouts: list[bytes | None] | None = None,
     ) -> None:
         start = self._loop.time()
         abandoned = False
@@ -197,22 +206,30 @@ class TierEngine:
         except Exception as exc:  # a failed operation: every key of it failed
             log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(keys), exc)
             ok = [False] * len(keys)
+        foreign = None
+        if layouts is not None and any(layouts):  # rows the worker converts on load
+            foreign = [layout if good else None for layout, good in zip(layouts, ok, strict=True)]
         self._results.append(
-            OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned)
+            OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned, foreign)
         )
         with self._idle:
             self._inflight[tier] -= 1
             self._idle.notify_all()
 
-    async def _get_converted(self, tier: int, rows: list[Row]) -> list[bool]:
-        """``get``, then rows that arrived in another layout rewritten into ours, off the loop
-        (a permuted copy of each row, on the CPU)."""
+    async def _get_in_any_layout(self, tier: int, rows: list[Row], layouts: list[bytes | None]) -> list[bool]:
+        """``get`` that accepts rows of the layouts we convert from; ``layouts[i]`` ends as the
+        layout id of a row still to be converted on load, ``None`` for a row now in ours.
+
+        Converting on landing runs off the loop (a permuted copy of each row, on the CPU)."""
         assert self.converter is not None
-        layouts: list[bytes | None] = [None] * len(rows)
+        converter = self.converter
         ok = await self.tiers[tier].get(rows, layouts)
-        foreign = [i for i, hit in enumerate(ok) if hit and layouts[i] not in (None, self.converter.own_id)]
-        if foreign:
-            converter = self.converter
+        foreign = [i for i, hit in enumerate(ok) if hit and layouts[i] not in (None, converter.own_id)]
+        kept = set(foreign)
+        for i in range(len(rows)):
+            if i not in kept:
+                layouts[i] = None
+        if foreign and self.convert_on_landing:
 
             def convert() -> list[bool]:
                 return [converter.convert(key_group(rows[i][0]), rows[i][1], layouts[i]) for i in foreign]
@@ -220,6 +237,7 @@ class TierEngine:
             converted = await self._loop.run_in_executor(None, convert)
             for i, good in zip(foreign, converted, strict=True):
                 ok[i] = good
+                layouts[i] = None
         return ok
 
     def _call(self, coroutine: Awaitable[T], timeout: float) -> T:

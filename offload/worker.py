@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from offload.layout import CanonicalKVCaches
-from offload.row_copy import RowCopier
+from offload.row_copy import RowCopier, Task
+from offload.row_layout import RowConverter
 from offload.streams import Completion, CopyStream, make_copy_stream
 from tiers.host import HostTier
 
@@ -73,9 +74,12 @@ class OffloadingWorker:
         stream: CopyStream | None = None,
         host_block_bytes: Sequence[int] | None = None,
         host_offset_bytes: Sequence[int] | None = None,
+        converter: RowConverter | None = None,
     ) -> None:
         """``host_block_bytes`` / ``host_offset_bytes``: per group, a host sub-row larger than a
-        device block and where this device's bytes sit in it (see ``RowCopier``)."""
+        device block and where this device's bytes sit in it (see ``RowCopier``).
+        ``converter``: the layouts a load may find host rows in (``submit_load``'s
+        ``row_layouts``), rewritten into ours on the device as they load."""
         if host.num_groups != caches.num_groups:
             raise ValueError(f"host tier has {host.num_groups} groups, the KV caches {caches.num_groups}")
         groups = caches.num_groups
@@ -86,6 +90,8 @@ class OffloadingWorker:
         self.caches = caches
         self.host = host
         self.blocks_per_row = blocks_per_row
+        self.converter = converter
+        self.rows_converted = 0  # rows of another layout converted on load
         self.copiers = [
             RowCopier(
                 caches,
@@ -110,7 +116,7 @@ class OffloadingWorker:
     ) -> bool:
         """Copy device blocks into host slots (``blocks_per_row`` blocks per slot)."""
         plan = self._plan(job_id, block_ids, slots, first_sub_rows, is_store=True)
-        return self._submit(job_id, plan, is_store=True)
+        return self._submit(job_id, plan, [], is_store=True)
 
     def submit_load(
         self,
@@ -119,10 +125,16 @@ class OffloadingWorker:
         slots: PerGroup,
         *,
         first_sub_rows: Sequence[int] | None = None,
+        row_layouts: Sequence[Sequence[bytes | None]] | None = None,
     ) -> bool:
-        """Copy host slots into device blocks."""
+        """Copy host slots into device blocks.
+
+        ``row_layouts`` (per group, one per slot): the layout id of a row still in another
+        engine's layout (``None``: ours); such rows are converted as they load.
+        """
         plan = self._plan(job_id, block_ids, slots, first_sub_rows, is_store=False)
-        return self._submit(job_id, plan, is_store=False)
+        plan, conversions = self._split_conversions(job_id, plan, slots, row_layouts)
+        return self._submit(job_id, plan, conversions, is_store=False)
 
     def get_finished(self) -> list[TransferResult]:
         results = []
@@ -190,10 +202,63 @@ class OffloadingWorker:
                 plan.append((copier, blocks, copier.sub_rows(group_slots)[skip : skip + len(blocks)]))
         return plan
 
+    def _split_conversions(
+        self,
+        job_id: int,
+        plan: list[tuple[RowCopier, list[int], list[int]]],
+        slots: PerGroup,
+        row_layouts: Sequence[Sequence[bytes | None]] | None,
+    ) -> tuple[list[tuple[RowCopier, list[int], list[int]]], list[tuple[int, Task]]]:
+        """Take the blocks of rows in another layout out of ``plan``: one converting task per row."""
+        if row_layouts is None or not any(any(group) for group in row_layouts):
+            return plan, []
+        if self.converter is None or len(row_layouts) != len(self.copiers):
+            raise ValueError(f"job {job_id}: rows of other layouts, and no converter for them")
+        plain_plan, conversions = [], []
+        for copier, blocks, rows in plan:
+            group = self.copiers.index(copier)
+            if len(row_layouts[group]) != len(slots[group]):
+                raise ValueError(f"job {job_id}, group {group}: one layout per slot expected")
+            foreign = {
+                int(slot): layout
+                for slot, layout in zip(slots[group], row_layouts[group], strict=True)
+                if layout
+            }
+            per = copier.blocks_per_row
+            plain = [(b, r) for b, r in zip(blocks, rows, strict=True) if r // per not in foreign]
+            if plain:
+                plain_plan.append((copier, [b for b, _ in plain], [r for _, r in plain]))
+            by_slot: dict[int, list[tuple[int, int]]] = {}
+            for block, row in zip(blocks, rows, strict=True):
+                if row // per in foreign:
+                    by_slot.setdefault(row // per, []).append((block, row % per))
+            for slot, pairs in by_slot.items():
+                source = self.converter.source(group, foreign[slot])
+                if source is None:
+                    raise ValueError(
+                        f"job {job_id}, group {group}: slot {slot} is in a layout we cannot convert"
+                    )
+                task = copier.converting_load(
+                    slot,
+                    [b for b, _ in pairs],
+                    [r for _, r in pairs],
+                    source,
+                    self.converter.own.groups[group],
+                )
+                conversions.append((len(pairs) * copier.block_bytes, task))
+        self.rows_converted += len(conversions)
+        return plain_plan, conversions
+
     def _submit(
-        self, job_id: int, plan: list[tuple[RowCopier, list[int], list[int]]], *, is_store: bool
+        self,
+        job_id: int,
+        plan: list[tuple[RowCopier, list[int], list[int]]],
+        conversions: list[tuple[int, Task]],
+        *,
+        is_store: bool,
     ) -> bool:
         size = sum(len(blocks) * copier.block_bytes for copier, blocks, _ in plan)
+        size += sum(nbytes for nbytes, _ in conversions)
         # A small job costs more to hand around a thread pool than to copy: one task.
         parallelism = self._stream.parallelism if size >= PARALLEL_MIN_BYTES else 1
         tasks = [
@@ -201,6 +266,7 @@ class OffloadingWorker:
             for copier, blocks, rows in plan
             for task in copier.tasks(blocks, rows, store=is_store, parallelism=parallelism)
         ]
+        tasks += [task for _, task in conversions]
         if parallelism == 1 and len(tasks) > 1:
             tasks = [partial(_run_all, tasks)]
         self._jobs[job_id] = _Job(job_id, is_store, size, self._stream.submit(tasks))

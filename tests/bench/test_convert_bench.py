@@ -16,7 +16,7 @@ def test_convert_bench_writes_ratios_for_each_reader(tmp_path, capsys):
     figures = json.loads(out.read_text())
     assert [r["reader"] for r in figures["readers"]] == ["hnd-64", "packed-16"]
     for reader in figures["readers"]:
-        assert reader["load_gbps"] > 0 and reader["same_layout_gbps"] > 0
+        assert reader["load_gbps"] > 0 and reader["in_worker_gbps"] > 0 and reader["same_layout_gbps"] > 0
         assert reader["load_ratio"] == pytest.approx(reader["load_gbps"] / reader["same_layout_gbps"])
         assert reader["row_bytes"] == 8 << 20
     assert "kvtier bench convert" in capsys.readouterr().out

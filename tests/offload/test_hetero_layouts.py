@@ -92,9 +92,15 @@ def found_prefix(engine: Offloader, keys: list[bytes]) -> int:
     return engine.lookup(keys)
 
 
-@pytest.mark.parametrize("tier", ["disk", "peer"])
+@pytest.mark.parametrize(
+    ("tier", "convert_on_load"),
+    [("disk", False), ("peer", False), ("disk", True)],
+    ids=["disk-convert-on-landing", "peer-convert-on-landing", "disk-convert-in-worker"],
+)
 @pytest.mark.parametrize("reader", ENGINES, ids=lambda spec: spec.name)
-def test_every_layout_loads_every_other_layouts_prefix(stored, tier, reader: EngineLayout):
+def test_every_layout_loads_every_other_layouts_prefix(stored, tier, convert_on_load, reader: EngineLayout):
+    """Rows land in the host tier converted (the CPU path), or as written and are converted
+    by the worker as it loads them (the device path; here on CPU tensors)."""
     tiers, seeds = stored
     config = {
         "namespace": {"model": MODEL},
@@ -103,7 +109,13 @@ def test_every_layout_loads_every_other_layouts_prefix(stored, tier, reader: Eng
     bpk = blocks_per_key(reader)
     kv, groups = reader.make(STORED_ROWS * bpk + 3)
     with Offloader(
-        kv, groups, config, block_size=reader.block_tokens, blocks_per_key=bpk, kv_layout=reader.kv_layout
+        kv,
+        groups,
+        config,
+        block_size=reader.block_tokens,
+        blocks_per_key=bpk,
+        kv_layout=reader.kv_layout,
+        convert_on_load=convert_on_load,
     ) as engine:
         for writer in ENGINES:
             keys = prompt_keys(writer_name(writer), STORED_ROWS + 1)  # the 4th row was never stored

@@ -19,7 +19,8 @@ def stored_row(spec: EngineLayout, logical: torch.Tensor) -> tuple[bytes, GroupR
     kv, groups = spec.make(2 * blocks_per_key(spec) + 3)
     ids = list(range(3, 3 + 2 * blocks_per_key(spec)))
     spec.fill(kv, logical, ids)
-    assert torch.equal(spec.read(kv, ids).view(torch.int16), logical.view(torch.int16))
+    filled = logical[:, :, : len(ids) * spec.block_tokens]
+    assert torch.equal(spec.read(kv, ids).view(torch.int16), filled.view(torch.int16))
     caches = canonicalize(kv, groups, block_size=spec.block_tokens, kv_layout=spec.kv_layout)
     assert caches.row_layout is not None, spec.name
     row = b"".join(caches.read_row(0, block) for block in ids[: blocks_per_key(spec)])
@@ -90,3 +91,52 @@ def test_layers_of_mixed_shapes_or_shared_bytes_stay_opaque():
     assert canonicalize(mixed, [["a", "b"]], block_size=16).row_layout is None
     wrong_block = {"a": torch.zeros(4, 2, 16, 2, 8)}
     assert canonicalize(wrong_block, [["a"]], block_size=32).row_layout is None
+
+
+def test_the_worker_converts_rows_of_another_layout_as_it_loads_them():
+    """One load mixing a row in our layout (a plain copy) and rows written by an HND
+    engine with 64-token blocks, the last of them only in part (3 of its 4 blocks)."""
+    from offload.worker import OffloadingWorker
+    from tiers.host import HostTier
+
+    reader, writer = engine("packed", 16), engine("hnd", 64)
+    logical = logical_kv(3, 4)
+    own_row, own_layout = stored_row(reader, logical)
+    foreign = [stored_row(writer, logical[:, :, 64 * i :]) for i in (1, 2)]
+    (foreign_row_1, writer_layout), (foreign_row_2, _) = foreign
+
+    kv, groups = reader.make(12)
+    caches = canonicalize(kv, groups, block_size=16)
+    own = RowLayout((own_layout,), "float16")
+    host = HostTier([own_layout.row_bytes], 4 * own_layout.row_bytes)
+    worker = OffloadingWorker(caches, host, blocks_per_row=4, converter=RowConverter(own))
+    for slot, row in ((0, own_row), (1, foreign_row_1), (2, foreign_row_2)):
+        host.slabs[0][slot].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))
+    writer_id = RowLayout((writer_layout,), "float16").layout_id()
+
+    blocks = [11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]  # slots 0 and 1 whole, slot 2's first 3 blocks
+    rows_of = [[None, writer_id, writer_id]]
+    assert worker.submit_load(1, [blocks], [[0, 1, 2]], first_sub_rows=[0], row_layouts=rows_of)
+    worker.wait([1])
+    assert all(r.success for r in worker.get_finished())
+    assert worker.rows_converted == 2
+    got = reader.read(kv, blocks)
+    assert torch.equal(got.view(torch.int16), logical[:, :, : 11 * 16].view(torch.int16))
+
+
+def test_a_load_of_rows_in_an_unknown_layout_is_refused_before_anything_moves():
+    from offload.worker import OffloadingWorker
+    from tiers.host import HostTier
+
+    reader = engine("nhd", 64)
+    kv, groups = reader.make(4)
+    caches = canonicalize(kv, groups, block_size=64)
+    host = HostTier([caches.row_bytes(0)], 2 * caches.row_bytes(0))
+    bare = OffloadingWorker(caches, host)
+    with pytest.raises(ValueError, match="no converter"):
+        bare.submit_load(1, [[0]], [[0]], row_layouts=[[b"\x02" * 16]])
+    assert caches.row_layout is not None
+    worker = OffloadingWorker(caches, host, converter=RowConverter(caches.row_layout))
+    with pytest.raises(ValueError, match="cannot convert"):
+        worker.submit_load(2, [[0]], [[0]], row_layouts=[[b"\x02" * 16]])
+    assert worker.get_finished() == [] and bare.get_finished() == []
