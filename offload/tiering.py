@@ -76,6 +76,23 @@ def build_tier(tier: TierConfig, namespace: bytes, layout_id: bytes, row_bytes: 
             token=_read_token(tier.token_file),
             deadline_s=tier.deadline_s,
         )
+    if tier.kind == "mooncake" and tier.mooncake is not None:
+        from tiers.mooncake import MooncakeTier
+
+        settings = tier.mooncake
+        return MooncakeTier(
+            settings.master,
+            namespace,
+            layout_id,
+            metadata_server=settings.metadata_server,
+            segment_bytes=tier.capacity_bytes,
+            local_buffer_bytes=settings.local_buffer_bytes,
+            protocol=settings.protocol,
+            device_name=settings.device_name,
+            local_hostname=settings.local_hostname,
+            replicas=settings.replicas,
+            deadline_s=tier.deadline_s,
+        )
     raise ConfigError(f"tiers: kind {tier.kind!r} has no lower-tier implementation")
 
 
