@@ -8,7 +8,7 @@ pytest.importorskip("mooncake.store")
 from offload.api import Offloader
 from offload.keys import make_key
 from tests.offload.layouts import per_layer_blocks_first, scramble
-from tests.tiers.mooncake_fixtures import MasterProcess
+from tests.tiers.mooncake_fixtures import MasterProcess, start_master
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,7 +19,7 @@ def keys_for(prefix: str, n: int) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    process = MasterProcess(tmp_path_factory.mktemp("mooncake-offload"))
+    process = start_master(tmp_path_factory.mktemp("mooncake-offload"))
     yield process
     process.close()
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tests.tiers.mooncake_fixtures import SEGMENT, MasterProcess, free_port, open_tier
+from tests.tiers.mooncake_fixtures import SEGMENT, free_port, open_tier, start_master
 from tests.tiers.peer_fixtures import LAYOUT, HostRows, aligned_buffer, key
 from tiers.base import TierError
 from tiers.mooncake import MooncakeTier, object_key
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    process = MasterProcess(tmp_path_factory.mktemp("mooncake"))
+    process = start_master(tmp_path_factory.mktemp("mooncake"))
     yield process
     process.close()
 
@@ -124,7 +124,7 @@ async def test_a_full_store_drops_and_counts_then_evicts_old_rows(master):
 
 
 async def test_master_killed_and_restarted_misses_meanwhile_then_recovers(tmp_path):
-    master = MasterProcess(tmp_path)
+    master = start_master(tmp_path)
     rows, keys = rows_and_keys([64 * KIB] * 6, seed=6)
     tier = MooncakeTier(
         master.address,
