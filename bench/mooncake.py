@@ -31,12 +31,11 @@ import numpy as np
 import uvloop
 
 from bench import remote
-from bench.remote import _ceiling, _die_with_parent, _timed, aligned_zeros, spawn
+from bench.remote import _die_with_parent, _timed, aligned_zeros, spawn
 from bench.report import write_json
 from tiers.fast_checksum import checksum_at
 from tiers.mooncake import MIN_SEGMENT_BYTES, MooncakeTier, object_key, store_class
 from tiers.mooncake_master import MasterProcess
-from tiers.sizes import parse_size
 
 TARGET = 0.8
 LAYOUT = b"bench-mooncake1\0"
@@ -132,30 +131,14 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
         master.close()
     gbps = {name: op_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
     return {
-        "put_gbps": gbps["put"],
-        "get_gbps": gbps["get"],
-        "store_put_gbps": gbps["store_put"],
-        "store_get_gbps": gbps["store_get"],
-        "put_ratio": gbps["put"] / gbps["store_put"],
-        "get_ratio": gbps["get"] / gbps["store_get"],
-        "checksum_gbps": gbps["checksum"],
-        "put_ceiling": _ceiling(gbps["store_put"], gbps["checksum"]),
-        "get_ceiling": _ceiling(gbps["store_get"], gbps["checksum"]),
-        "row_bytes": row_bytes,
-        "rows_per_op": rows,
-        "bytes_per_op": op_bytes,
-        "repeats": args.repeats,
-        "verified": True,
+        **remote.ratio_figures(gbps, put_base="store_put", get_base="store_get"),
+        **remote.row_figures(args),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier bench mooncake", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
-    parser.add_argument("--rows", type=int, default=64, help="rows per put/get (default 64 = 128 MiB)")
-    parser.add_argument("--row-bytes", type=parse_size, default=2 << 20, help="bytes per row (2MiB)")
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats per figure (median)")
-    parser.add_argument("--seed", type=int, default=0)
+    remote.add_row_arguments(parser, repeats=9)
     parser.add_argument("--no-peer", action="store_true", help="skip the NIXL peer tier figures")
     parser.add_argument("--storage", nargs=2, metavar=("MASTER", "SEGMENT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -506,17 +506,21 @@ class MooncakeTier(LowerTier):
     # -- the store's health -----------------------------------------------------------------
 
     async def _call(self, future: concurrent.futures.Future, *, must_finish: bool) -> Any:
-        """The result of a store call, or ``None`` if it missed the deadline (the store is
-        then marked down). With ``must_finish`` a call that started is waited for to its end."""
+        """The result of a store call, or ``None`` if it missed the deadline.
+
+        A call still queued at its deadline is cancelled (the store's threads were busy: no
+        verdict on the master). One that started and overran marks the store down; with
+        ``must_finish`` (a get) it is then waited for to its end."""
         waiter = asyncio.wrap_future(future)
         done, _ = await asyncio.wait({waiter}, timeout=self.deadline_s)
         if done:
             return waiter.result()
         self._counters["timeouts"] += 1
+        if future.cancel():
+            return None
         self._mark_down(f"a call overran its {self.deadline_s:.1f} s deadline")
-        if future.cancel() or not must_finish:
-            if not future.cancelled():
-                waiter.add_done_callback(_ignore_result)
+        if not must_finish:
+            waiter.add_done_callback(_ignore_result)
             return None
         log.warning("mooncake tier: waiting for a late get, which may still write its host rows")
         await waiter

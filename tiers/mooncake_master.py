@@ -86,10 +86,20 @@ class MasterProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def stop(self) -> None:
+        """Freeze the master (SIGSTOP): it keeps its port, and answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> None:
         self.start()
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(10)

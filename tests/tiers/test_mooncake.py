@@ -165,6 +165,32 @@ async def test_master_killed_and_restarted_misses_meanwhile_then_recovers(tmp_pa
         master.close()
 
 
+async def test_a_hung_master_costs_one_deadline_then_calls_skip_it_until_it_answers(tmp_path):
+    master = start_master(tmp_path)
+    rows, keys = rows_and_keys([64 * KIB] * 4, seed=7)
+    try:
+        async with open_tier(master, rows.view, deadline_s=0.5, backoff_s=0.2, max_backoff_s=0.5) as tier:
+            assert await tier.put(list(zip(keys[:2], rows.src[:2], strict=True))) == [True] * 2
+            master.stop()  # it still accepts connections, and never answers (the store waits 30 s)
+            start = time.monotonic()
+            assert await tier.contains(keys[:2]) == [False] * 2
+            assert time.monotonic() - start < tier.deadline_s + SLACK_S
+            assert tier.stats()["master_up"] == 0
+            start = time.monotonic()
+            assert await tier.put(list(zip(keys[2:], rows.src[2:], strict=True))) == [False] * 2
+            assert await tier.contains(keys) == [False] * 4
+            assert time.monotonic() - start < 2 * tier.deadline_s + SLACK_S
+            master.cont()
+            deadline = time.monotonic() + 20
+            while not all(await tier.put(list(zip(keys[2:], rows.src[2:], strict=True)))):
+                assert time.monotonic() < deadline, f"no recovery: {tier.stats()}"
+                await asyncio.sleep(0.2)
+            assert await tier.contains(keys) == [True] * 4  # nothing was lost: the master only paused
+            assert tier.stats()["recoveries"] >= 1
+    finally:
+        master.close()
+
+
 async def test_an_unreachable_master_fails_open_with_its_address(tmp_path):
     host = aligned_buffer(MIB)
     tier = MooncakeTier(f"127.0.0.1:{free_port()}", b"n" * 16, LAYOUT, segment_bytes=0, open_timeout_s=1.0)
