@@ -342,13 +342,14 @@ class MooncakeTier(LowerTier):
         """Leave the store, waiting at most ``_CLOSE_S`` (it then finishes on its thread).
 
         With its master gone, the store's ``close`` (and its destructor) retries the master
-        for ~11 s *holding the GIL*, which would stop every thread of the process. Such a
-        client is left as it is, never torn down (a leak, in a failure, until exit)."""
+        for ~11 s *holding the GIL* (up to its 30 s RPC timeout if the master hangs), which
+        would stop every thread of the process. So a client whose master is down, or does not
+        take a connection now, is left as it is, never torn down (a leak, in a failure)."""
         store, self._store = self._store, None
         workers, self._workers = self._workers, None
         if workers is None:
             return
-        if store is not None and not await self._master_reachable(_CLOSE_S):
+        if store is not None and (self._failures or not await self._master_reachable(_CLOSE_S)):
             log.warning("mooncake tier: master %s gone; its client is left open, not torn down", self.master)
             _keep_forever(store)
         elif store is not None:
@@ -435,6 +436,7 @@ class MooncakeTier(LowerTier):
             **self._counters,
             "master_up": int(not self._failures),
             "known_keys": len(self._known),
+            "capacity_bytes": self.segment_bytes,  # this process's share of the store's pool
         }
 
     # -- moving rows ------------------------------------------------------------------------

@@ -90,6 +90,12 @@ class MasterProcess:
         """Freeze the master (SIGSTOP): it keeps its port, and answers nothing."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # stopped only once every thread of it is
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.01)
 
     def cont(self) -> None:
         assert self.proc is not None
