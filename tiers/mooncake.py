@@ -34,14 +34,21 @@ put reconnects); a master that hangs holds a call for the store's RPC timeout (3
 first call that reports the master lost, or overruns its deadline, marks the store
 **down**: until a backoff expires (``backoff_s`` doubling to ``max_backoff_s``) every call
 answers at once without touching the store (puts dropped, gets and contains misses). After
-the backoff the next call goes through: the client reconnects by itself, and a restarted
-master has the client's segment re-mounted within about a second. A ``put`` or ``contains``
+the backoff the tier knocks on the master's port (a TCP connect on the event loop); if it
+answers, the next call goes through: the client reconnects by itself, and a restarted
+master has the client's segment re-mounted within about a second. A call still queued on
+the tier's busy threads at its deadline is cancelled, with no verdict on the master (that
+is congestion, not an outage). A ``put`` or ``contains``
 returns at its deadline even if the store's call goes on (a late put is harmless: its row
 is checksummed, and its header slot stays reserved until the call ends). A ``get`` writes
 into host rows, and nothing can stop the store's call once it started, so a started get
 returns only when that call has ended: past its deadline the tier engine's safety net
-reports it abandoned and the manager never reuses those host slots. A get that had not
-started by its deadline is cancelled.
+reports it abandoned and the manager never reuses those host slots.
+
+The store's ``setup`` and ``close`` hold the GIL while they retry an absent master (90 s
+and ~11 s measured; up to the 30 s RPC timeout for a hung one), which would stop every
+thread of the process. So ``open`` knocks on the master's port first (no master: a
+``TierError`` at once), and ``close`` leaves a client whose master is down as it is.
 
 Threads: the coroutines run on the tier engine's event loop; the store's calls run on
 ``threads`` daemon threads of this tier (daemon, so a call stuck on a hung master never
