@@ -1,16 +1,14 @@
 # Two commands do all the set-up on a fresh machine:
 #   make bench   creates .venv, installs kvtier, runs the default benchmark (kvtier bench e2e, ~1 min)
-#   make test    creates .venv, installs kvtier with its test extras and vLLM (test-only, for the
-#                connector tests), runs the whole suite
+#   make test    creates .venv, installs kvtier with its test and mooncake extras (and libibverbs1,
+#                which the Mooncake binaries link, with apt-get when it is missing) and vLLM
+#                (test-only, for the connector tests), runs the whole suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 # NIXL logs INFO lines to stdout; keep them out of CLI output and test logs.
 export NIXL_LOG_LEVEL ?= WARN
-# UCX's InfiniBand modules load the system's libibverbs beside the one NIXL bundles, and a
-# process with a NIXL agent then crashes at exit (no RDMA device here; see README).
-export UCX_MODULES ?= ^ib*
 
 .PHONY: bench test lint install clean
 
@@ -28,13 +26,20 @@ $(VENV)/.installed-vllm: $(VENV)/.installed tests/vllm/requirements.txt
 	$(PIP) --no-deps -r tests/vllm/requirements.txt
 	touch $@
 
+# The Mooncake wheel's binaries link libibverbs.so.1, even with no RDMA hardware (protocol "tcp").
+$(VENV)/.installed-mooncake: $(VENV)/.installed
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1)
+	$(PIP) -e '.[test,mooncake]'
+	touch $@
+
 install: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/kvtier bench e2e
 
-test: $(VENV)/.installed-vllm
-	KVTIER_REQUIRE_VLLM=1 $(PY) -m pytest -q
+test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake
+	KVTIER_REQUIRE_VLLM=1 KVTIER_REQUIRE_MOONCAKE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

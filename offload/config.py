@@ -21,6 +21,14 @@
     admission = "seen-twice" # or "all"
     promotion = true         # copy a row found here up into the host tier on a hit
 
+    [[tiers]]                # a Mooncake Store cluster (pip install 'kvtier[mooncake]')
+    kind = "mooncake"
+    master = "10.0.0.5:50051"
+    capacity = "16GiB"       # the memory this process mounts into the store's pool
+    metadata_server = "P2PHANDSHAKE"  # or "http://host:port/metadata", or an etcd address
+    protocol = "tcp"         # or "rdma" (with device_name = "mlx5_0")
+    local_hostname = "10.0.0.7"       # where other clients reach this one's memory
+
 Everything is validated here into frozen dataclasses; the rest of kvtier never reads a
 raw dict. Unknown keys are errors (a typo must not silently fall back to a default), and
 every error is a ``ConfigError`` naming the key path and the value at fault.
@@ -43,7 +51,7 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names key and value."""
 
 
-TIER_KINDS = ("host", "disk", "remote")
+TIER_KINDS = ("host", "disk", "remote", "mooncake")
 PLACEMENTS = ("write-back", "write-through")
 
 
@@ -64,6 +72,20 @@ class NamespaceConfig:
 
 
 @dataclass(frozen=True)
+class MooncakeConfig:
+    """The keys of a ``kind = "mooncake"`` tier beside the common ones (``capacity`` is the
+    segment this process mounts into the store's pool)."""
+
+    master: str
+    metadata_server: str = "P2PHANDSHAKE"
+    local_buffer_bytes: int = 16 << 20
+    protocol: str = "tcp"
+    device_name: str = ""
+    local_hostname: str = "127.0.0.1"
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
 class TierConfig:
     kind: str
     capacity_bytes: int
@@ -75,7 +97,8 @@ class TierConfig:
     path: str | None = None  # disk
     peers: tuple[str, ...] = ()  # remote
     token_file: str | None = None  # remote
-    deadline_s: float = 2.0  # remote
+    deadline_s: float = 2.0  # remote, mooncake
+    mooncake: MooncakeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +120,22 @@ _KIND_KEYS = {
     "host": set(),
     "disk": {"path", "placement", "admission", "promotion"},
     "remote": {"peers", "token_file", "deadline_s", "placement", "admission", "promotion"},
+    "mooncake": {
+        "master",
+        "metadata_server",
+        "local_buffer",
+        "protocol",
+        "device_name",
+        "local_hostname",
+        "replicas",
+        "deadline_s",
+        "placement",
+        "admission",
+        "promotion",
+    },
 }
-_KIND_DEFAULT_ADMISSION = {"host": "all", "disk": "seen-twice", "remote": "all"}
+_KIND_DEFAULT_ADMISSION = {"host": "all", "disk": "seen-twice", "remote": "all", "mooncake": "all"}
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
@@ -193,7 +230,49 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
         if token_file is not None and not isinstance(token_file, str):
             raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
         tier = replace(tier, peers=tuple(peers), deadline_s=float(deadline), token_file=token_file)
+    if kind == "mooncake":
+        tier = _parse_mooncake(raw, tier, where)
     return tier
+
+
+def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> TierConfig:
+    """The Mooncake keys; also checks that the Mooncake client imports (else: how to install it)."""
+    from tiers.base import TierError
+    from tiers.mooncake import MIN_SEGMENT_BYTES, store_class
+
+    prefix = f"{where}."
+    master = raw.get("master")
+    host, sep, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}.master = {master!r}: expected the master's 'host:port'")
+    if tier.capacity_bytes < MIN_SEGMENT_BYTES:
+        raise ConfigError(
+            f"{where}.capacity = {tier.capacity_bytes!r}: the segment mounted into Mooncake Store "
+            "must be at least 16MiB"
+        )
+    replicas = raw.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"{where}.replicas = {replicas!r}: expected a positive number of copies")
+    deadline = raw.get("deadline_s", 2.0)
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 30:
+        raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 30]")
+    metadata = _string(raw, "metadata_server", prefix, "P2PHANDSHAKE")
+    if not metadata:
+        raise ConfigError(f"{where}.metadata_server = '': expected 'P2PHANDSHAKE' or the server's URL")
+    settings = MooncakeConfig(
+        master=master,  # type: ignore[arg-type]
+        metadata_server=metadata,
+        local_buffer_bytes=parse_size(raw.get("local_buffer", "16MiB"), f"{where}.local_buffer"),
+        protocol=_choice(raw, "protocol", prefix, MOONCAKE_PROTOCOLS, "tcp"),
+        device_name=_string(raw, "device_name", prefix, ""),
+        local_hostname=_string(raw, "local_hostname", prefix, "127.0.0.1"),
+        replicas=replicas,
+    )
+    try:
+        store_class()
+    except TierError as exc:
+        raise ConfigError(f"{where}.kind = 'mooncake': {exc}") from exc
+    return replace(tier, mooncake=settings, deadline_s=float(deadline))
 
 
 def _check_policy(name: str, params: dict[str, Any], where: str) -> None:

@@ -6,7 +6,7 @@ stats, and ``render`` writes them in the Prometheus text exposition format (vers
 for ``Offloader.metrics_text`` and a ``--metrics-port`` endpoint (``serve``). No
 dependency: the format is a few lines of text.
 
-Per tier (label ``tier``: ``host``, ``disk``, ``remote``):
+Per tier (label ``tier``: ``host``, ``disk``, ``remote``, ``mooncake``):
 
 - ``hits`` / ``misses``: host lookups that found a readable row / found nothing (a lookup
   that starts a promotion is neither); for a lower tier, rows its ``get`` served / missed.

@@ -85,6 +85,24 @@ def build_tier(
             deadline_s=tier.deadline_s,
             readable_layouts=readable_layouts,
         )
+    if tier.kind == "mooncake" and tier.mooncake is not None:
+        from tiers.mooncake import MooncakeTier
+
+        settings = tier.mooncake
+        return MooncakeTier(
+            settings.master,
+            namespace,
+            layout_id,
+            metadata_server=settings.metadata_server,
+            segment_bytes=tier.capacity_bytes,
+            local_buffer_bytes=settings.local_buffer_bytes,
+            protocol=settings.protocol,
+            device_name=settings.device_name,
+            local_hostname=settings.local_hostname,
+            replicas=settings.replicas,
+            deadline_s=tier.deadline_s,
+            readable_layouts=readable_layouts,
+        )
     raise ConfigError(f"tiers: kind {tier.kind!r} has no lower-tier implementation")
 
 

@@ -1,7 +1,8 @@
 """Suite-wide checks.
 
 ``make test`` installs vLLM and sets ``KVTIER_REQUIRE_VLLM=1``: there, a vLLM that does not
-import fails the run instead of letting the connector tests skip themselves.
+import fails the run instead of letting the connector tests skip themselves. Likewise
+``KVTIER_REQUIRE_MOONCAKE=1`` for the Mooncake client (the Mooncake Store tests).
 """
 
 from __future__ import annotations
@@ -23,3 +24,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             importlib.import_module("vllm.v1.kv_offload.base")
         except Exception as exc:  # any import failure means the connector tests would not run
             raise pytest.UsageError(f"KVTIER_REQUIRE_VLLM=1 but vLLM does not import: {exc!r}") from exc
+    if os.environ.get("KVTIER_REQUIRE_MOONCAKE") == "1":
+        try:
+            importlib.import_module("mooncake.store")
+        except Exception as exc:  # a missing wheel, or its binaries missing libibverbs
+            raise pytest.UsageError(
+                f"KVTIER_REQUIRE_MOONCAKE=1 but mooncake does not import: {exc!r}"
+            ) from exc

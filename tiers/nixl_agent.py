@@ -15,6 +15,11 @@ Three measured facts (``NIXL_NOTES.md``) shape this module:
 
 NIXL's Python logger writes INFO lines to stdout; ``NIXL_LOG_LEVEL`` defaults to WARN here,
 before NIXL is imported, so nothing that speaks over stdout is broken by it.
+
+On a machine with libibverbs installed (the Mooncake wheel needs it) but no RDMA device,
+UCX's IB module makes the process die of SIGSEGV at exit (measured: ``kvtier peer`` after
+SIGTERM). ``UCX_MODULES`` defaults to ``^ib`` there, before NIXL is imported: with no
+device, the module has nothing to offer.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
+    os.environ.setdefault("UCX_MODULES", "^ib")
 
 import numpy as np
 from nixl_cu12._api import nixl_agent, nixl_agent_config

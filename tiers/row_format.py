@@ -11,7 +11,7 @@ flipped bit or a foreign row is therefore a miss, never garbage.
 from __future__ import annotations
 
 import struct
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import xxhash
@@ -61,11 +61,17 @@ class RowHeader:
         return cls(layout_id, length, digest, version)
 
 
-def verify(header: RowHeader | None, layouts: Set[bytes], row: memoryview | bytes) -> str | None:
+def verify(
+    header: RowHeader | None,
+    layouts: Set[bytes],
+    row: memoryview | bytes,
+    digest: Callable[[memoryview | bytes], int] = checksum,
+) -> str | None:
     """Why ``row`` must not be served under ``header`` (a short reason), or ``None`` if it may.
 
     ``layouts``: the layout ids the reader can use (its own, and those it converts from).
-    """
+    ``digest`` computes the row's checksum (last, only when everything else matches); a tier
+    that knows the row's address passes ``fast_checksum.checksum_at``, which frees the GIL."""
     if header is None:
         return "no valid header"
     if header.version != VERSION:
@@ -74,6 +80,6 @@ def verify(header: RowHeader | None, layouts: Set[bytes], row: memoryview | byte
         return "another layout"
     if header.row_length != len(row):
         return f"length {header.row_length}, expected {len(row)}"
-    if checksum(row) != header.checksum:
+    if digest(row) != header.checksum:
         return "checksum mismatch"
     return None

@@ -1,0 +1,34 @@
+"""A real ``mooncake_master`` for tests (``tiers.mooncake_master``), and tiers that join it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tests.tiers.peer_fixtures import LAYOUT, die_with_parent
+from tiers.mooncake import MooncakeTier
+from tiers.mooncake_master import MasterProcess, free_port
+
+__all__ = ["SEGMENT", "MasterProcess", "free_port", "open_tier", "start_master"]
+
+SEGMENT = 32 << 20
+
+
+def start_master(log_dir: Path) -> MasterProcess:
+    """A master with short leases (300 ms), killed with the test process."""
+    return MasterProcess(log_dir / f"master-{free_port()}.log", preexec_fn=die_with_parent)
+
+
+@contextlib.asynccontextmanager
+async def open_tier(
+    master: MasterProcess, host: memoryview, *, namespace: bytes = b"ns-mooncake", **kwargs
+) -> AsyncIterator[MooncakeTier]:
+    """A tier with its own 32 MiB segment (so each test's rows live in its own memory)."""
+    kwargs.setdefault("segment_bytes", SEGMENT)
+    tier = MooncakeTier(master.address, namespace.ljust(16, b"\x00"), LAYOUT, **kwargs)
+    await tier.open(host)
+    try:
+        yield tier
+    finally:
+        await tier.close()

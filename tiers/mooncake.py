@@ -1,0 +1,641 @@
+"""The Mooncake tier: rows kept in a Mooncake Store cluster (a master, and clients that pool memory).
+
+Beyond a handful of machines, spill goes to an existing distributed KV store rather than a
+mesh of ``kvtier peer`` processes. Mooncake Store's master tracks objects, leases, replicas
+and eviction; every client mounts a *segment* of its memory into the shared pool and moves
+bytes with Mooncake's transfer engine (TCP, or RDMA). This tier is such a client.
+
+One row is **one object**: the 40-byte ``RowHeader`` (layout id, length, xxh3 checksum)
+followed by the row, assembled by the store from two buffers (``batch_put_from_multi_buffers``
+/ ``batch_get_into_multi_buffers``): the header from a small registered staging area, the
+row straight from (into) the host tier, which is registered once at ``open``. So rows move
+zero-copy, the header travels with its row atomically (an object is evicted whole), and a
+get is verified before it counts: the header must match this tier's layout and the row's
+length, and the row's checksum, computed right after it landed (GIL released), must match
+the header. A corrupt object is a miss, counted and removed from the store. Measured: the
+header costs nothing next to the store's own single-buffer calls.
+
+Keys: ``kvtier/<namespace hex>/<block key hex>``. The store takes any non-empty string, but
+hex keeps keys printable for the master's tools (``remove_by_regex("^kvtier/<ns>/")`` clears
+one namespace). The namespace digest includes the tenant salt, so tenants never see each
+other's rows, not even as a hit.
+
+What the store answers (Mooncake 0.3.13, per key): ``0`` stored (also when the key exists
+already: the first object is kept; keys name their content, so that is a hit for later);
+``-200`` no space (every segment full of leased objects: the row is dropped and counted;
+objects whose lease expired are evicted by the master to make room, and become misses);
+``-704`` not found (never put, evicted, or lost with a restarted master: a miss); ``-600`` /
+``-800`` the buffers do not add up to the object (a row of another length: a miss);
+``-900`` / ``-901`` the master is unreachable / did not answer.
+
+Failures. Every call runs on the tier's own threads (the store's calls block), with a
+deadline. A master that is killed makes calls fail at once (``-900``) or within ~4 s (a
+put reconnects); a master that hangs holds a call for the store's RPC timeout (30 s). The
+first call that reports the master lost, or overruns its deadline, marks the store
+**down**: until a backoff expires (``backoff_s`` doubling to ``max_backoff_s``) every call
+answers at once without touching the store (puts dropped, gets and contains misses). After
+the backoff the tier knocks on the master's port (a TCP connect on the event loop); if it
+answers, the next call goes through: the client reconnects by itself, and a restarted
+master has the client's segment re-mounted within about a second. A call still queued on
+the tier's busy threads at its deadline is cancelled, with no verdict on the master (that
+is congestion, not an outage). A ``put`` or ``contains``
+returns at its deadline even if the store's call goes on (a late put is harmless: its row
+is checksummed, and its header slot stays reserved until the call ends). A ``get`` writes
+into host rows, and nothing can stop the store's call once it started, so a started get
+returns only when that call has ended: past its deadline the tier engine's safety net
+reports it abandoned and the manager never reuses those host slots.
+
+The store's ``setup`` and ``close`` hold the GIL while they retry an absent master (90 s
+and ~11 s measured; up to the 30 s RPC timeout for a hung one), which would stop every
+thread of the process. So ``open`` knocks on the master's port first (no master: a
+``TierError`` at once), and ``close`` leaves a client whose master is down as it is.
+
+Threads: the coroutines run on the tier engine's event loop; the store's calls run on
+``threads`` daemon threads of this tier (daemon, so a call stuck on a hung master never
+holds up the process's exit). ``may_contain`` and ``stats`` only read a dict and ints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from tiers.base import LowerTier, Row, TierError
+from tiers.fast_checksum import checksum_at
+from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "pip install 'kvtier[mooncake]' (its binaries also need libibverbs: apt-get install -y libibverbs1)"
+)
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h); Python receives plain ints.
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+_MASTER_LOST = frozenset({RPC_FAIL, RPC_TIMEOUT})
+_WRONG_SIZE = frozenset({INVALID_PARAMS, TRANSFER_FAIL})
+# Outcomes of this tier's own, beside the store's codes (which are >= -2000).
+_VERIFIED = -1_000_001  # a get whose row passed its header and checksum
+_CORRUPT = -1_000_002  # a get whose row failed them
+_SKIPPED = -1_000_003  # a row the store was not asked about (down, or no header slot)
+_FOREIGN = -1_000_004  # a get whose row is sound but in a layout this reader cannot use
+
+MIN_SEGMENT_BYTES = 16 << 20
+"""The store refuses to mount a smaller segment (``setup`` answers -600)."""
+_HEADER_SLOT = 64  # bytes per staged header: 40 used, 64-byte aligned
+_CLOSE_S = 2.0
+
+_COUNTERS = (
+    "stored",
+    "dropped",
+    "full",
+    "hits",
+    "misses",
+    "absent",
+    "mismatched",
+    "corrupt",
+    "errors",
+    "timeouts",
+    "master_lost",
+    "recoveries",
+    "skipped_down",
+)
+
+
+def store_class() -> type:
+    """``mooncake.store.MooncakeDistributedStore``, or ``TierError`` saying how to install it."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:  # the package is missing, or its .so cannot load libibverbs
+        raise TierError(f"the mooncake tier is unavailable ({exc}): {INSTALL_HINT}") from exc
+    return MooncakeDistributedStore
+
+
+def object_key(namespace: bytes, key: bytes) -> str:
+    """The store's key for ``key`` in ``namespace`` (see the module docstring)."""
+    return f"kvtier/{namespace.hex()}/{key.hex()}"
+
+
+class _Workers:
+    """Daemon threads that run blocking store calls; ``submit`` returns a concurrent future.
+
+    A future that has not started can still be cancelled (``Future.cancel``): the worker
+    skips it. ``ThreadPoolExecutor`` is not used because its threads are joined at exit.
+    """
+
+    def __init__(self, count: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """Let every thread end once the work queued before this is done (no join)."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+class _HeaderSlots:
+    """A registered staging area for row headers, handed out in slots of 64 bytes.
+
+    A call takes a slot per row and gives them back when the store's call has ended (not
+    when the coroutine returned: a call past its deadline may still read or write them).
+    """
+
+    def __init__(self, count: int) -> None:
+        self.array = np.zeros(count * _HEADER_SLOT, dtype=np.uint8)
+        self.addr = self.array.ctypes.data
+        self._free = list(range(count - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            taken, self._free[-n:] = self._free[-n:], []
+            return taken
+
+    def give(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def view(self, slot: int) -> memoryview:
+        return memoryview(self.array)[slot * _HEADER_SLOT : slot * _HEADER_SLOT + HEADER_BYTES]
+
+
+class MooncakeTier(LowerTier):
+    """A Mooncake Store client holding rows of one namespace and layout; see the module docstring.
+
+    ``master``: the master's ``host:port``. ``metadata_server``: where transfer engines find
+    each other: ``"P2PHANDSHAKE"`` (no server: clients exchange metadata directly) or an
+    ``http://host:port/metadata`` / etcd address. ``segment_bytes``: the memory this process
+    mounts into the store's pool (at least 16 MiB; 0: a client that only uses others' memory).
+    ``local_buffer_bytes``: the client's own transfer buffer (rows bypass it; at least 16 MiB
+    is what the store allocates by default). ``protocol``: ``"tcp"`` or ``"rdma"`` (with
+    ``device_name``). ``local_hostname``: the address other clients reach this one's segment
+    at. ``replicas``: copies of each object. ``deadline_s``: the most a call waits (see the
+    module docstring for gets). ``threads``: concurrent store calls. ``max_rows_in_flight``:
+    header slots, i.e. rows in calls at once (beyond it rows are dropped or missed).
+    """
+
+    kind = "mooncake"
+    index_is_partial = True  # other engines' rows are found by ``contains``
+
+    def __init__(
+        self,
+        master: str,
+        namespace: bytes,
+        layout_id: bytes,
+        *,
+        metadata_server: str = "P2PHANDSHAKE",
+        segment_bytes: int = 1 << 30,
+        local_buffer_bytes: int = 16 << 20,
+        protocol: str = "tcp",
+        device_name: str = "",
+        local_hostname: str = "127.0.0.1",
+        replicas: int = 1,
+        deadline_s: float = 2.0,
+        open_timeout_s: float = 15.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        threads: int = 2,
+        max_rows_in_flight: int = 16384,
+        max_tracked_keys: int = 1 << 20,
+        readable_layouts: Collection[bytes] = (),
+    ) -> None:
+        if len(layout_id) != LAYOUT_ID_BYTES:
+            raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+        if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"segment_bytes = {segment_bytes}: the store needs 0 or at least 16 MiB")
+        if not deadline_s > 0 or threads < 1 or replicas < 1 or max_rows_in_flight < 1:
+            raise ValueError("deadline_s, threads, replicas and max_rows_in_flight must be positive")
+        self._store_class = store_class()  # unavailable: a clear error now, not at open
+        self.master = master
+        self.namespace = bytes(namespace)
+        self.layout_id = bytes(layout_id)
+        self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
+        self.metadata_server = metadata_server
+        self.segment_bytes = segment_bytes
+        self.local_buffer_bytes = local_buffer_bytes
+        self.protocol = protocol
+        self.device_name = device_name
+        self.local_hostname = local_hostname
+        self.replicas = replicas
+        self.deadline_s = deadline_s
+        self.open_timeout_s = open_timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.threads = threads
+        self.max_rows_in_flight = max_rows_in_flight
+        self.max_tracked_keys = max_tracked_keys
+        self._store: Any = None
+        self._put_config: Any = None
+        self._workers: _Workers | None = None
+        self._headers: _HeaderSlots | None = None
+        self._host_addr = 0
+        self._host_len = 0
+        self._failures = 0  # consecutive outages; 0: the store is up
+        self._retry_at = 0.0  # while down: when to knock on the master's port again
+        self._knocking = False
+        self._known: dict[bytes, None] = {}  # keys this client stored, oldest first
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self, host_buffer: memoryview | None = None) -> None:
+        """Join the store (``setup``) and register the host tier and the header staging area.
+
+        A master that does not answer within ``open_timeout_s``, or a ``setup`` the store
+        refuses, is a ``TierError`` naming the master.
+        """
+        if self._store is not None:
+            raise TierError("the mooncake tier is already open")
+        if host_buffer is None:
+            raise TierError("the mooncake tier moves rows by address: open() needs the host tier's buffer")
+        buffer = memoryview(host_buffer)
+        if buffer.readonly or not buffer.c_contiguous:
+            raise TierError("the host buffer must be writable and contiguous")
+        host = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=np.uint8)
+        self._host_addr, self._host_len = host.ctypes.data, host.nbytes
+        self._headers = _HeaderSlots(self.max_rows_in_flight)
+        self._workers = _Workers(self.threads, "kvtier-mooncake")
+        # The store's ``setup`` holds the GIL while it retries an absent master (90 s): every
+        # thread of the process would stop. Knock on the master's port first.
+        if not await self._master_reachable(self.open_timeout_s):
+            self._workers.close()
+            raise TierError(f"mooncake tier: no master listens at {self.master}")
+        store = self._store_class()
+        future = self._workers.submit(self._setup_blocking, store)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.open_timeout_s)
+        except TimeoutError:
+            self._workers.close()
+            raise TierError(
+                f"mooncake tier: the master at {self.master} did not answer in {self.open_timeout_s:.0f} s"
+            ) from None
+        except TierError:
+            self._workers.close()
+            raise
+        self._store = store
+        log.info(
+            "mooncake tier: joined master %s (metadata %s, %s), segment %.0f MiB",
+            self.master,
+            self.metadata_server,
+            self.protocol,
+            self.segment_bytes / (1 << 20),
+        )
+
+    def _setup_blocking(self, store: Any) -> None:
+        from mooncake.store import ReplicateConfig
+
+        rc = store.setup(
+            self.local_hostname,
+            self.metadata_server,
+            self.segment_bytes,
+            self.local_buffer_bytes,
+            self.protocol,
+            self.device_name,
+            self.master,
+        )
+        if rc != 0:
+            raise TierError(
+                f"mooncake tier: setup with master {self.master}, metadata {self.metadata_server!r}, "
+                f"protocol {self.protocol!r} failed ({rc}); is the master running?"
+            )
+        assert self._headers is not None
+        for addr, size in (
+            (self._host_addr, self._host_len),
+            (self._headers.addr, self._headers.array.nbytes),
+        ):
+            rc = store.register_buffer(addr, size)
+            if rc != 0:
+                store.close()
+                raise TierError(f"mooncake tier: registering {size} bytes of memory failed ({rc})")
+        self._put_config = ReplicateConfig()
+        self._put_config.replica_num = self.replicas
+
+    async def close(self) -> None:
+        """Leave the store, waiting at most ``_CLOSE_S`` (it then finishes on its thread).
+
+        With its master gone, the store's ``close`` (and its destructor) retries the master
+        for ~11 s *holding the GIL* (up to its 30 s RPC timeout if the master hangs), which
+        would stop every thread of the process. So a client whose master is down, or does not
+        take a connection now, is left as it is, never torn down (a leak, in a failure)."""
+        store, self._store = self._store, None
+        workers, self._workers = self._workers, None
+        if workers is None:
+            return
+        if store is not None and (self._failures or not await self._master_reachable(_CLOSE_S)):
+            log.warning("mooncake tier: master %s gone; its client is left open, not torn down", self.master)
+            _keep_forever(store)
+        elif store is not None:
+            future = workers.submit(store.close)
+            del store  # the last reference goes with the worker's call: teardown runs there
+            done, _ = await asyncio.wait({asyncio.wrap_future(future)}, timeout=_CLOSE_S)
+            if not done:
+                log.warning("mooncake tier: the store's close did not finish in %.0f s", _CLOSE_S)
+        workers.close()
+
+    # -- the LowerTier verbs ----------------------------------------------------------------
+
+    def may_contain(self, key: bytes) -> bool:
+        return key in self._known
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys or not await self._usable(len(keys)):
+            return [False] * len(keys)
+        names = [object_key(self.namespace, bytes(k)) for k in keys]
+        codes = await self._call(self._pool().submit(self._store.batch_is_exist, names), must_finish=False)
+        if codes is None:
+            return [False] * len(keys)
+        self._note_master(codes)
+        return [code == 1 for code in codes]
+
+    async def put(self, rows: Sequence[Row]) -> list[bool]:
+        codes = await self._move(rows, self._put_blocking, must_finish=False)
+        stored = [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
+        self._note_master(codes)
+        full = codes.count(NO_AVAILABLE_HANDLE)
+        errors = [
+            c
+            for c in codes
+            if c not in (0, OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE, _SKIPPED, *_MASTER_LOST)
+        ]
+        if errors:
+            log.warning(
+                "mooncake tier: %d of %d puts failed (codes %s)", len(errors), len(codes), sorted(set(errors))
+            )
+        self._counters["full"] += full
+        self._counters["errors"] += len(errors)
+        self._counters["stored"] += sum(stored)
+        self._counters["dropped"] += len(rows) - sum(stored)
+        for (key, _), done in zip(rows, stored, strict=True):
+            if done:
+                self._remember(bytes(key))
+        return stored
+
+    async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
+        """Get header + row into the buffers; ``layouts``, when given, receives each hit's
+        layout id (its own, or one of ``readable_layouts``)."""
+        served: list[bytes | None] = [None] * len(rows)
+        codes = await self._move(rows, partial(self._get_blocking, served=served), must_finish=True)
+        self._note_master(codes)
+        loaded = []
+        for i, ((key, _), code) in enumerate(zip(rows, codes, strict=True)):
+            loaded.append(code == _VERIFIED)
+            if layouts is not None:
+                layouts[i] = served[i] if code == _VERIFIED else None
+            if code == _VERIFIED:
+                continue
+            if code == _CORRUPT:
+                self._counters["corrupt"] += 1
+            elif code == OBJECT_NOT_FOUND:  # never put here, evicted, or lost with the master
+                self._counters["absent"] += 1
+                self._known.pop(bytes(key), None)
+            elif code in _WRONG_SIZE or code >= 0 or code == _FOREIGN:
+                self._counters["mismatched"] += 1
+            elif code not in _MASTER_LOST and code != _SKIPPED:
+                self._counters["errors"] += 1
+                log.warning("mooncake tier: a get failed (%d)", code)
+        hits = sum(loaded)
+        self._counters["hits"] += hits
+        self._counters["misses"] += len(rows) - hits
+        return loaded
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove objects (absent ones are ignored). Objects under a lease (another client may
+        be reading them) stay until the master evicts them."""
+        for key in keys:
+            self._known.pop(bytes(key), None)
+        if not keys or not await self._usable(0):
+            return
+        names = [object_key(self.namespace, bytes(k)) for k in keys]
+        await self._call(self._pool().submit(self._store.batch_remove, names, False), must_finish=False)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            **self._counters,
+            "master_up": int(not self._failures),
+            "known_keys": len(self._known),
+            "capacity_bytes": self.segment_bytes,  # this process's share of the store's pool
+        }
+
+    # -- moving rows ------------------------------------------------------------------------
+
+    async def _move(
+        self, rows: Sequence[Row], blocking: Callable[..., list[int]], *, must_finish: bool
+    ) -> list[int]:
+        """Run ``blocking(names, views, addrs, slots)`` for the rows on a store thread: a code
+        per row (``_SKIPPED`` for rows the call never reached)."""
+        if not rows or not await self._usable(len(rows)):
+            return [_SKIPPED] * len(rows)
+        views = [_bytes_view(row) for _, row in rows]
+        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
+        names = [object_key(self.namespace, bytes(key)) for key, _ in rows]
+        headers = self._headers
+        assert headers is not None
+        slots = headers.take(len(rows))
+        if slots is None:
+            log.warning(
+                "mooncake tier: over %d rows in flight; %d not moved", self.max_rows_in_flight, len(rows)
+            )
+            return [_SKIPPED] * len(rows)
+        future = self._pool().submit(blocking, names, views, addrs, slots)
+        future.add_done_callback(lambda _f: headers.give(slots))
+        codes = await self._call(future, must_finish=must_finish)
+        return codes if codes is not None else [_SKIPPED] * len(rows)
+
+    def _put_blocking(
+        self, names: list[str], views: list[memoryview], addrs: list[int], slots: list[int]
+    ) -> list[int]:
+        """Stage each row's header (checksummed here, GIL released) and put header + row."""
+        headers = self._headers
+        assert headers is not None
+        for view, addr, slot in zip(views, addrs, slots, strict=True):
+            headers.view(slot)[:] = RowHeader(self.layout_id, len(view), checksum_at(view, addr)).pack()
+        return self._store.batch_put_from_multi_buffers(
+            names,
+            [[headers.addr + slot * _HEADER_SLOT, addr] for slot, addr in zip(slots, addrs, strict=True)],
+            [[HEADER_BYTES, len(view)] for view in views],
+            self._put_config,
+        )
+
+    def _get_blocking(
+        self,
+        names: list[str],
+        views: list[memoryview],
+        addrs: list[int],
+        slots: list[int],
+        *,
+        served: list[bytes | None],
+    ) -> list[int]:
+        """Get header + row, verify each row that landed (``_VERIFIED``, ``_FOREIGN`` for a
+        sound row of a layout we cannot use, or ``_CORRUPT``; other codes are the store's),
+        note each verified row's layout in ``served``, and remove corrupt objects."""
+        headers = self._headers
+        assert headers is not None
+        codes = self._store.batch_get_into_multi_buffers(
+            names,
+            [[headers.addr + slot * _HEADER_SLOT, addr] for slot, addr in zip(slots, addrs, strict=True)],
+            [[HEADER_BYTES, len(view)] for view in views],
+        )
+        corrupt: list[str] = []
+        for n, (name, view, addr, slot) in enumerate(zip(names, views, addrs, slots, strict=True)):
+            if codes[n] != HEADER_BYTES + len(view):
+                continue
+            header = RowHeader.unpack(headers.view(slot))
+            if header is not None and header.layout_id not in self.layouts:
+                codes[n] = _FOREIGN  # another engine's row: not ours to judge, nor to remove
+                continue
+            why = verify(header, self.layouts, view, lambda v, a=addr: checksum_at(v, a))
+            codes[n] = _VERIFIED if why is None else _CORRUPT
+            if why is None:
+                served[n] = header.layout_id  # type: ignore[union-attr]
+            else:
+                corrupt.append(name)
+                log.warning("mooncake tier: object %s refused (%s): a miss; removing it", name, why)
+        if corrupt:
+            self._store.batch_remove(corrupt, True)  # forced: nobody should read it, lease or not
+        return codes
+
+    # -- the store's health -----------------------------------------------------------------
+
+    async def _call(self, future: concurrent.futures.Future, *, must_finish: bool) -> Any:
+        """The result of a store call, or ``None`` if it missed the deadline.
+
+        A call still queued at its deadline is cancelled (the store's threads were busy: no
+        verdict on the master). One that started and overran marks the store down; with
+        ``must_finish`` (a get) it is then waited for to its end."""
+        waiter = asyncio.wrap_future(future)
+        done, _ = await asyncio.wait({waiter}, timeout=self.deadline_s)
+        if done:
+            return waiter.result()
+        self._counters["timeouts"] += 1
+        if future.cancel():
+            return None
+        self._mark_down(f"a call overran its {self.deadline_s:.1f} s deadline")
+        if not must_finish:
+            waiter.add_done_callback(_ignore_result)
+            return None
+        log.warning("mooncake tier: waiting for a late get, which may still write its host rows")
+        await waiter
+        return None
+
+    async def _usable(self, rows: int) -> bool:
+        """Whether to call the store now: not while it is down and its backoff runs, and after
+        the backoff only once the master's port answers (a call to a dead master blocks ~4 s
+        while the store reconnects)."""
+        if self._store is None:
+            raise TierError("the mooncake tier is not open")
+        if not self._failures:
+            return True
+        if time.monotonic() >= self._retry_at and not self._knocking:
+            self._knocking = True
+            try:
+                reachable = await self._master_reachable(min(self.deadline_s, 1.0))
+            finally:
+                self._knocking = False
+            if reachable:
+                return True  # the first answer that is not "master lost" books the recovery
+            self._mark_down(f"no master listens at {self.master}")
+        self._counters["skipped_down"] += rows
+        return False
+
+    def _note_master(self, codes: Sequence[int]) -> None:
+        """Book what a call's codes say about the master: lost, or (after an outage) back."""
+        if codes and all(code in _MASTER_LOST for code in codes):
+            self._mark_down(f"master {self.master} unreachable ({codes[0]})")
+        elif self._failures and any(code not in _MASTER_LOST and code != _SKIPPED for code in codes):
+            self._failures = 0
+            self._counters["recoveries"] += 1
+            log.warning("mooncake tier: master %s answers again", self.master)
+
+    def _mark_down(self, reason: str) -> None:
+        self._failures += 1
+        self._counters["master_lost"] += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._failures - 1))
+        self._retry_at = time.monotonic() + delay * random.uniform(0.75, 1.0)
+        log.warning("mooncake tier down: %s; next try in %.1f s", reason, delay)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def _master_reachable(self, timeout: float) -> bool:
+        """Whether the master's port takes a TCP connection within ``timeout`` (on the event loop:
+        no store thread is needed, so a knock never queues behind a stuck call)."""
+        host, _, port = self.master.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        except (OSError, ValueError, TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    def _pool(self) -> _Workers:
+        if self._workers is None:
+            raise TierError("the mooncake tier is not open")
+        return self._workers
+
+    def _addr(self, view: memoryview) -> int:
+        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else self._host_addr
+        if not (self._host_addr <= addr and addr + len(view) <= self._host_addr + self._host_len):
+            raise ValueError("a row is not a slice of the host buffer given to open()")
+        return addr
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        if len(self._known) > self.max_tracked_keys:
+            del self._known[next(iter(self._known))]
+
+
+_KEPT: list[Any] = []
+
+
+def _keep_forever(store: Any) -> None:
+    """Never let ``store`` be destroyed, not even at interpreter exit (see ``close``)."""
+    _KEPT.append(store)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+
+
+def _ignore_result(waiter: asyncio.Future) -> None:
+    if not waiter.cancelled():
+        waiter.exception()  # retrieved: a late failure is not "never retrieved"
+
+
+def _bytes_view(row: memoryview) -> memoryview:
+    view = memoryview(row)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

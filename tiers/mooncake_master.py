@@ -1,0 +1,111 @@
+"""A local ``mooncake_master`` on 127.0.0.1: for tests, benchmarks, and trying the tier on one machine.
+
+The master is the binary inside the installed ``mooncake`` package. It listens for RPC on a
+free port (and its admin/metrics server on another), both bound to 127.0.0.1; clients find
+each other with ``P2PHANDSHAKE``, so no HTTP metadata server runs (the master's own binds
+0.0.0.0 whatever its host flag says). ``restart`` brings a killed master back on the same
+port, as an operator would. Whoever starts a master must ``close()`` it. A production
+cluster runs its masters (with HA) itself; kvtier only needs their address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+READY_TIMEOUT_S = 30.0
+
+
+def master_binary() -> Path:
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the mooncake package is not installed")
+    return Path(spec.origin).parent / "mooncake_master"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MasterProcess:
+    """One ``mooncake_master`` child, logging to ``log_path``.
+
+    ``lease_ms``: how long an object stays unevictable after a put or a get (the master's
+    default, 10 s, makes eviction slow to observe). ``preexec_fn``: run in the child before
+    the binary (e.g. to die with the parent).
+    """
+
+    def __init__(
+        self, log_path: Path, *, lease_ms: int = 300, preexec_fn: Callable[[], None] | None = None
+    ) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.lease_ms = lease_ms
+        self.preexec_fn = preexec_fn
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        args = [
+            str(master_binary()),
+            f"--rpc_port={self.port}",
+            "--rpc_address=127.0.0.1",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={free_port()}",
+            f"--default_kv_lease_ttl={self.lease_ms}",
+            "--rpc_thread_num=2",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=self.preexec_fn
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}):\n{self.log()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return
+            time.sleep(0.05)
+        self.close()
+        raise RuntimeError(f"mooncake_master did not listen on {self.address}:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Freeze the master (SIGSTOP): it keeps its port, and answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # stopped only once every thread of it is
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.01)
+
+    def cont(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.start()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
