@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
-#   make bench   creates .venv, installs kvtier, runs the default benchmark (kvtier bench e2e, ~1 min)
+#   make bench   creates .venv, installs kvtier (with vLLM and matplotlib), runs the default benchmark
+#                (kvtier bench e2e, ~2 min): prints the table, writes bench-results/e2e.json and plots/
 #   make test    creates .venv, installs kvtier with its test extras and vLLM (test-only, for the
 #                connector tests), runs the whole suite
 PYTHON ?= python3
@@ -25,12 +26,19 @@ $(VENV)/.installed-vllm: $(VENV)/.installed tests/vllm/requirements.txt
 	$(PIP) --no-deps -r tests/vllm/requirements.txt
 	touch $@
 
+# matplotlib (the bench extra) for `kvtier bench e2e --plot`.
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) -e '.[bench]'
+	touch $@
+
 install: $(VENV)/.installed
 
-bench: $(VENV)/.installed
-	$(VENV)/bin/kvtier bench e2e
+# vLLM too: the benchmark sets kvtier beside vLLM's own CPU offloading manager where vLLM imports.
+bench: $(VENV)/.installed-vllm $(VENV)/.installed-bench
+	mkdir -p bench-results
+	$(VENV)/bin/kvtier bench e2e --plot bench-results/plots --json bench-results/e2e.json
 
-test: $(VENV)/.installed-vllm
+test: $(VENV)/.installed-vllm $(VENV)/.installed-bench
 	KVTIER_REQUIRE_VLLM=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.installed
