@@ -44,7 +44,7 @@ from offload.api import Offloader
 
 DEFAULT_WORKLOADS = "multi-turn,long-doc-qa,agentic,real"
 TIERS = ("host", "disk", "remote")
-MISS_REPEATS = 2
+MISS_REPEATS = 3
 
 
 @dataclass

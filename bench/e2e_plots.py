@@ -99,7 +99,7 @@ def plot_hit_ratio(
 
 def plot_latency_cdf(plt: Any, path: Path, latencies: dict[str, Sequence[float]]) -> None:
     """CDF of per-request load latency (engine's lookup to loaded), by the slowest tier used."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7, 5))
     for kind, values in latencies.items():
         if not values:
             continue
@@ -113,7 +113,7 @@ def plot_latency_cdf(plt: Any, path: Path, latencies: dict[str, Sequence[float]]
     ax.set_ylabel("fraction of requests")
     ax.set_title("Load latency by the slowest tier a request used")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
