@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make bench   creates .venv, installs kvtier (with vLLM and matplotlib), runs the default benchmark
-#                (kvtier bench e2e, ~2 min): prints the table, writes bench-results/e2e.json and plots/
+#                (kvtier bench e2e, a few minutes): prints the tables, writes bench-results/e2e.json, plots/
 #   make test    creates .venv, installs kvtier with its test extras and vLLM (test-only, for the
 #                connector tests), runs the whole suite
 PYTHON ?= python3
