@@ -1,8 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
-#   make bench   creates .venv, installs kvtier, runs the default benchmark (kvtier bench e2e, ~1 min)
-#   make test    creates .venv, installs kvtier with its test and mooncake extras (and libibverbs1,
-#                which the Mooncake binaries link, with apt-get when it is missing) and vLLM
-#                (test-only, for the connector tests), runs the whole suite
+#   make bench   creates .venv, installs kvtier (with vLLM and matplotlib), runs the default benchmark
+#                (kvtier bench e2e, a few minutes): prints the tables, writes bench-results/e2e.json, plots/
+#   make test    creates .venv, installs kvtier with its test, bench and mooncake extras (and
+#                libibverbs1, which the Mooncake binaries link, with apt-get when it is missing) and
+#                vLLM (test-only, for the connector tests), runs the whole suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -33,12 +34,19 @@ $(VENV)/.installed-mooncake: $(VENV)/.installed
 	$(PIP) -e '.[test,mooncake]'
 	touch $@
 
+# matplotlib (the bench extra) for `kvtier bench e2e --plot`.
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) -e '.[bench]'
+	touch $@
+
 install: $(VENV)/.installed
 
-bench: $(VENV)/.installed
-	$(VENV)/bin/kvtier bench e2e
+# vLLM too: the benchmark sets kvtier beside vLLM's own CPU offloading manager where vLLM imports.
+bench: $(VENV)/.installed-vllm $(VENV)/.installed-bench
+	mkdir -p bench-results
+	$(VENV)/bin/kvtier bench e2e --plot bench-results/plots --json bench-results/e2e.json
 
-test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake
+test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake $(VENV)/.installed-bench
 	KVTIER_REQUIRE_VLLM=1 KVTIER_REQUIRE_MOONCAKE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.installed

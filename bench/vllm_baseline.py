@@ -56,14 +56,29 @@ def simulate_vllm(
     trace: Sequence[Request], capacity: int, policy: str, device_hits: Sequence[int]
 ) -> SimResult:
     """Replay ``trace`` below the same device cache with vLLM's manager as the host tier."""
+    hits, stores = replay_vllm(trace, capacity, policy, device_hits)
+    return SimResult(
+        accesses=sum(len(r.keys) for r in trace),
+        device_hits=sum(device_hits),
+        tier_names=[f"vllm-{policy}"],
+        tier_hits=[sum(hits)],
+        tier_stores=[stores],
+    )
+
+
+def replay_vllm(
+    trace: Sequence[Request], capacity: int, policy: str, device_hits: Sequence[int]
+) -> tuple[list[int], int]:
+    """Each request's blocks served by vLLM's manager (after its ``device_hits``), and the
+    blocks it stored in all: what ``simulate_vllm`` sums and ``bench.e2e`` turns into tokens."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     manager = make_manager(capacity, policy)
     keys_of: dict[int, bytes] = {}
-    hits = stores = accesses = 0
+    hits: list[int] = []
+    stores = 0
     for r, (request, d) in enumerate(zip(trace, device_hits, strict=True)):
         keys = [keys_of.get(k) or keys_of.setdefault(k, offload_key(k)) for k in request.keys]
-        accesses += len(keys)
         ctx = ReqContext(req_id=str(r))
         for p, key in enumerate(keys):
             ctx.set_offload_key_position(key, (p + 1) * BLOCK_TOKENS)
@@ -77,7 +92,7 @@ def simulate_vllm(
             loaded = keys[d : d + h]
             manager.prepare_load(loaded, ctx)
             manager.complete_load(loaded, ctx)
-            hits += h
+        hits.append(h)
         offer = keys[d + h :] if h else keys
         if offer:
             output = manager.prepare_store(offer, ctx)
@@ -85,10 +100,4 @@ def simulate_vllm(
                 manager.complete_store(output.keys_to_store, ctx)
                 stores += len(output.keys_to_store)
         manager.on_request_finished(ctx)
-    return SimResult(
-        accesses=accesses,
-        device_hits=sum(device_hits),
-        tier_names=[f"vllm-{policy}"],
-        tier_hits=[hits],
-        tier_stores=[stores],
-    )
+    return hits, stores
