@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
 
@@ -25,6 +25,15 @@ class LRUPolicy(EvictionPolicy):
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
+
+    def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
+        order = self._order
+        for i in range(len(keys) - 1, -1, -1):  # tail first, as the base class does
+            key = keys[i]
+            if key in order:
+                order.move_to_end(key)
+            else:
+                order[key] = None
 
     def on_access(self, key: Key) -> None:
         if key in self._order:
