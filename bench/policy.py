@@ -35,6 +35,7 @@ POLICIES = (
     "arc",
     "s3fifo",
     "tinylfu",
+    "tinylfu-adaptive",
     "cost",
     "lhd",
     "prefix:lru",
