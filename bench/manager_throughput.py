@@ -9,7 +9,9 @@ are the same ``OffloadKey`` bytes for both. The vLLM manager also needs a ``ReqC
 per request, with each key's position set (its connector does that, not the manager):
 those are built before the clock starts.
 
-Throughput is calls per second of those four methods. With the same policy (``lru``) the
+Throughput is calls per CPU second of those four methods (``time.process_time``: both
+managers are single-threaded and CPU-bound, and on a shared machine the time the process
+spends descheduled is not the manager's). With the same policy (``lru``) the
 two managers make the same decisions, so the sequences are identical; with ``arc`` the two
 ARCs differ in detail and so do their hits, so the counts differ by a few percent. Each
 manager runs the sequence from empty, and ``compare`` alternates the two managers round by
@@ -60,9 +62,9 @@ def _once(job: Job) -> Throughput:
     prepare, run = job
     state = prepare()
     gc.collect()
-    start = time.perf_counter()
+    start = time.process_time()
     calls, keys = run(state)
-    return Throughput(calls, keys, time.perf_counter() - start)
+    return Throughput(calls, keys, time.process_time() - start)
 
 
 def _timed(job: Job, repeat: int) -> Throughput:

@@ -304,7 +304,8 @@ class OffloadingManager:
                 continue
             if success:
                 row.ready = True
-                row.dirty = dirty
+                if dirty:
+                    row.dirty = True
                 stored_events[key] = None
                 stored.append(key)
             else:
@@ -425,7 +426,8 @@ class OffloadingManager:
         for key in victims:
             row = rows.pop(key)
             freed[row.group].append(row.slot)
-            dirty += row.dirty
+            if row.dirty:
+                dirty += 1
             if key in stored:  # _announce_removal, inlined
                 del stored[key]
             else:
