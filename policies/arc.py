@@ -9,10 +9,11 @@ tier learns that one of its past victims was wanted.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
 
 class ARCPolicy(EvictionPolicy):
@@ -86,34 +87,12 @@ class ARCPolicy(EvictionPolicy):
         # (all-or-nothing), and each list is walked once: O(n + skipped pinned keys).
         t1, t2 = self._t1, self._t2
         t1_iter = iter(t1)
-        t1_left = len(t1)
-        p = self.p
-        first: list[Key] = []
-        if t1_left > p:
-            for key in t1_iter:
-                if evictable(key):
-                    first.append(key)
-                    t1_left -= 1
-                    if len(first) == n or t1_left <= p:
-                        break
-        from_t2: list[Key] = []
-        need = n - len(first)
-        if need:
-            for key in t2:
-                if evictable(key):
-                    from_t2.append(key)
-                    if len(from_t2) == need:
-                        break
-            need -= len(from_t2)
-        last: list[Key] = []
-        if need:
-            for key in t1_iter:
-                if evictable(key):
-                    last.append(key)
-                    if len(last) == need:
-                        break
-            if len(last) < need:
-                return None
+        # |T1| - k <= p after k keys from T1: the first walk takes ceil(|T1| - p) at most.
+        first = take_evictable(t1_iter, evictable, min(n, max(0, math.ceil(len(t1) - self.p))))
+        from_t2 = take_evictable(t2, evictable, n - len(first))
+        last = take_evictable(t1_iter, evictable, n - len(first) - len(from_t2))
+        if len(first) + len(from_t2) + len(last) < n:
+            return None
         b1, b2 = self._b1, self._b2
         for part in (first, last):
             for key in part:

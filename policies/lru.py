@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
 
 class LRUPolicy(EvictionPolicy):
@@ -45,12 +45,7 @@ class LRUPolicy(EvictionPolicy):
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
         if n <= 0:
             return []
-        chosen: list[Key] = []
-        for key in self._order:
-            if evictable(key):
-                chosen.append(key)
-                if len(chosen) == n:
-                    break
+        chosen = take_evictable(self._order, evictable, n)
         if len(chosen) < n:
             return None
         for key in chosen:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from policies import make_policy
 from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy, HillClimber
+from tests.policies.conftest import replay
 
 
 def sample(climber: HillClimber, hits: int, misses: int) -> int:
@@ -32,19 +33,6 @@ def test_a_jump_in_hit_ratio_restarts_with_a_full_step() -> None:
     sample(climber, 15, 85)
     assert sample(climber, 60, 40) == 25  # the step used is the decayed one...
     assert climber.step == 100  # ...and the next starts full again, same direction
-
-
-def replay(policy, keys: list[int]) -> int:
-    hits = 0
-    for key in keys:
-        if key in policy:
-            policy.on_access(key)
-            hits += 1
-            continue
-        if len(policy) >= policy.capacity:
-            policy.evict(1)
-        policy.on_insert(key)
-    return hits
 
 
 def recency_trace(capacity: int, rounds: int) -> list[int]:
