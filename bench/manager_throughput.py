@@ -9,9 +9,14 @@ are the same ``OffloadKey`` bytes for both. The vLLM manager also needs a ``ReqC
 per request, with each key's position set (its connector does that, not the manager):
 those are built before the clock starts.
 
-Throughput is calls per second of those four methods (the sequence is identical, so the
-ratio is the same in keys per second). Each manager runs the sequence ``repeat`` times
-from empty; the best run counts.
+Throughput is calls per CPU second of those four methods (``time.process_time``: both
+managers are single-threaded and CPU-bound, and on a shared machine the time the process
+spends descheduled is not the manager's). With the same policy (``lru``) the
+two managers make the same decisions, so the sequences are identical; with ``arc`` the two
+ARCs differ in detail and so do their hits, so the counts differ by a few percent. Each
+manager runs the sequence from empty, and ``compare`` alternates the two managers round by
+round, so that a load that comes and goes on a shared machine hits both alike: the best
+round of each counts, and the ratio of each round's pair shows the spread.
 """
 
 from __future__ import annotations
@@ -49,28 +54,66 @@ def _key_lists(trace: Sequence[Request], device_hits: Sequence[int]) -> list[lis
     return out
 
 
-def _timed(prepare: Callable[[], Any], run: Callable[[Any], tuple[int, int]], repeat: int) -> Throughput:
-    """Best of ``repeat`` runs of ``run(prepare())``; only ``run`` is timed."""
-    best: Throughput | None = None
-    for _ in range(repeat):
-        state = prepare()
-        gc.collect()
-        start = time.perf_counter()
-        calls, keys = run(state)
-        took = time.perf_counter() - start
-        if best is None or took < best.seconds:
-            best = Throughput(calls, keys, took)
-    assert best is not None
-    return best
+Job = tuple[Callable[[], Any], Callable[[Any], tuple[int, int]]]
+"""``(prepare, run)``: ``run(prepare())`` replays the calls once; only ``run`` is timed."""
+
+
+def _once(job: Job) -> Throughput:
+    prepare, run = job
+    state = prepare()
+    gc.collect()
+    start = time.process_time()
+    calls, keys = run(state)
+    return Throughput(calls, keys, time.process_time() - start)
+
+
+def _timed(job: Job, repeat: int) -> Throughput:
+    """Best of ``repeat`` runs of ``job``."""
+    return min((_once(job) for _ in range(repeat)), key=lambda t: t.seconds)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """kvtier's and vLLM's best rounds, and the ratio of calls/s within each round."""
+
+    kvtier: Throughput
+    vllm: Throughput
+    round_ratios: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return self.kvtier.calls_per_s / self.vllm.calls_per_s if self.vllm.calls_per_s else 0.0
+
+
+def compare(
+    trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str, rounds: int = 3
+) -> Comparison:
+    """kvtier's manager and vLLM's with ``policy`` ("lru" or "arc"), alternated for ``rounds`` rounds."""
+    ours = kvtier_job(trace, device_hits, capacity, policy)
+    theirs = vllm_job(trace, device_hits, capacity, policy)
+    pairs = [(_once(ours), _once(theirs)) for _ in range(rounds)]
+    return Comparison(
+        kvtier=min((a for a, _ in pairs), key=lambda t: t.seconds),
+        vllm=min((b for _, b in pairs), key=lambda t: t.seconds),
+        round_ratios=[a.calls_per_s / b.calls_per_s for a, b in pairs if b.calls_per_s],
+    )
 
 
 def kvtier_throughput(
-    trace: Sequence[Request],
-    device_hits: Sequence[int],
-    capacity: int,
-    policy: str,
-    repeat: int = 2,
+    trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str, repeat: int = 2
 ) -> Throughput:
+    """Best of ``repeat`` runs of kvtier's manager with ``policy`` (see ``kvtier_job``)."""
+    return _timed(kvtier_job(trace, device_hits, capacity, policy), repeat)
+
+
+def vllm_throughput(
+    trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str, repeat: int = 2
+) -> Throughput:
+    """Best of ``repeat`` runs of vLLM's manager with ``policy`` (see ``vllm_job``)."""
+    return _timed(vllm_job(trace, device_hits, capacity, policy), repeat)
+
+
+def kvtier_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str) -> Job:
     """``offload.manager.OffloadingManager`` (one KV group) with kvtier policy ``policy``."""
     from offload.manager import LookupResult, OffloadingManager
     from policies.registry import make_policy
@@ -111,16 +154,10 @@ def kvtier_throughput(
             end_step()
         return calls, keys
 
-    return _timed(prepare, run, repeat)
+    return prepare, run
 
 
-def vllm_throughput(
-    trace: Sequence[Request],
-    device_hits: Sequence[int],
-    capacity: int,
-    policy: str,
-    repeat: int = 2,
-) -> Throughput:
+def vllm_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str) -> Job:
     """vLLM's ``CPUOffloadingManager`` with its policy ``policy`` ("lru" or "arc")."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -166,4 +203,4 @@ def vllm_throughput(
                 keys += h
         return calls, keys
 
-    return _timed(prepare, run, repeat)
+    return prepare, run

@@ -35,6 +35,7 @@ POLICIES = (
     "arc",
     "s3fifo",
     "tinylfu",
+    "tinylfu-adaptive",
     "cost",
     "lhd",
     "prefix:lru",
@@ -90,6 +91,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager even if it imports")
     parser.add_argument("--no-throughput", action="store_true", help="skip the manager throughput run")
     parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once (processes)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="throughput rounds, kvtier and vLLM alternated (best counts)"
+    )
     args = parser.parse_args(argv)
     if not 0.0 < args.trace_fraction <= 1.0:
         parser.error(f"--trace-fraction must be in (0, 1], got {args.trace_fraction}")
@@ -98,6 +102,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1), got {getattr(args, name)}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     unknown = [t for t in args.traces.split(",") if t not in GENERATORS and t != "real"]
     if unknown:
         parser.error(f"unknown traces {unknown}: choose from {[*GENERATORS, 'real']}")
@@ -170,19 +176,33 @@ def _run_trace_job(job: tuple[str, list[Request], argparse.Namespace, Sequence[s
 
 
 def run_throughput(trace: list[Request], args: argparse.Namespace, best: str, vllm: bool) -> dict[str, Any]:
-    from bench.manager_throughput import kvtier_throughput, vllm_throughput
+    """Calls/s of kvtier's manager with lru, arc and ``best``; vLLM's with lru and arc,
+    alternated round by round with kvtier's on the same policy (``manager_throughput.compare``)."""
+    from bench.manager_throughput import Throughput, compare, kvtier_throughput
+
+    def figures(t: Throughput) -> dict[str, float]:
+        return {"calls_per_s": t.calls_per_s, "keys_per_s": t.keys_per_s, "calls": t.calls}
 
     stats = trace_stats(trace)
     host = max(1, round(stats["distinct"] * args.host_fraction))
     device_hits = device_prefix_hits(trace, max(1, round(stats["distinct"] * args.device_fraction)))
-    out: dict[str, Any] = {"host_blocks": host, "kvtier": {}, "vllm": {}}
+    out: dict[str, Any] = {
+        "host_blocks": host,
+        "rounds": args.rounds,
+        "kvtier": {},
+        "vllm": {},
+        "round_ratios": {},
+    }
     for policy in dict.fromkeys(("lru", "arc", best)):
-        t = kvtier_throughput(trace, device_hits, host, policy)
-        out["kvtier"][policy] = {"calls_per_s": t.calls_per_s, "keys_per_s": t.keys_per_s, "calls": t.calls}
-    if vllm:
-        for policy in VLLM_POLICIES:
-            t = vllm_throughput(trace, device_hits, host, policy)
-            out["vllm"][policy] = {"calls_per_s": t.calls_per_s, "keys_per_s": t.keys_per_s, "calls": t.calls}
+        if vllm and policy in VLLM_POLICIES:
+            both = compare(trace, device_hits, host, policy, rounds=args.rounds)
+            out["kvtier"][policy] = figures(both.kvtier)
+            out["vllm"][policy] = figures(both.vllm)
+            out["round_ratios"][policy] = both.round_ratios
+        else:
+            out["kvtier"][policy] = figures(
+                kvtier_throughput(trace, device_hits, host, policy, repeat=args.rounds)
+            )
     return out
 
 
@@ -231,7 +251,8 @@ def print_trace(report: TraceReport, fraction_note: str, flush: bool = False) ->
 def print_throughput(name: str, throughput: dict[str, Any]) -> None:
     print(
         f"\n== manager throughput on '{name}': lookup + prepare_store + complete_store + touch, "
-        f"host {throughput['host_blocks']:,} blocks, best of 2"
+        f"host {throughput['host_blocks']:,} blocks, best of {throughput['rounds']} rounds "
+        "(kvtier and vLLM alternated)"
     )
     print("   kvtier: offload.manager.OffloadingManager; vLLM: CPUOffloadingManager")
     for policy, ours in throughput["kvtier"].items():
@@ -241,6 +262,9 @@ def print_throughput(name: str, throughput: dict[str, Any]) -> None:
         if theirs:
             ratio = ours["calls_per_s"] / theirs["calls_per_s"]
             line += f"   vLLM {policy}: {theirs['calls_per_s']:>9,.0f} calls/s  ratio {ratio:.2f}x"
+            rounds = throughput["round_ratios"].get(policy)
+            if rounds:
+                line += f" (rounds {min(rounds):.2f}-{max(rounds):.2f}x)"
         print(line)
 
 

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 HOST_MEDIUM = "host"
 
+_GROUP_0 = (0).to_bytes(GROUP_BYTES, "big")
+
 PROMOTION_BATCH = 256
 """Queued promotions of one tier are sent at the latest when this many wait (else at ``poll``)."""
 
@@ -98,7 +100,7 @@ class OffloadingEvent:
     removed: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class _Row:
     group: int
     slot: int
@@ -176,7 +178,8 @@ class OffloadingManager:
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> LookupResult:
-        self.apply_finished()  # not poll(): promotions queued by this step's lookups go out together
+        if self.lower is not None:
+            self.apply_finished()  # not poll(): promotions queued by this step's lookups go out together
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
@@ -214,8 +217,15 @@ class OffloadingManager:
         return HostSlots(list(keys), [row.slot for row in rows], layouts if any(layouts) else None)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
+        rows = self._rows
+        if self.num_groups == 1:
+            on_access = self._policies[0].on_access
+            for key in reversed(keys):
+                if key in rows:
+                    on_access(key)
+            return
         for key in reversed(keys):
-            row = self._rows.get(key)
+            row = rows.get(key)
             if row is not None:
                 self._policies[row.group].on_access(key)
 
@@ -234,6 +244,8 @@ class OffloadingManager:
         self.poll()
         rows = self._rows
         new_keys = [key for key in dict.fromkeys(keys) if key not in rows]
+        if self.num_groups == 1:
+            return self._prepare_store_one_group(keys, new_keys)
         wanted = [0] * self.num_groups
         group_of = {key: int.from_bytes(key[-GROUP_BYTES:], "big") for key in new_keys}  # key_group, inlined
         for key, group in group_of.items():
@@ -263,24 +275,56 @@ class OffloadingManager:
         self._write_back(extra=len(new_keys))
         return PrepareStoreOutput(new_keys, HostSlots(new_keys, slots), evicted)
 
+    def _prepare_store_one_group(
+        self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey]
+    ) -> PrepareStoreOutput | None:
+        """``prepare_store`` with one KV group (most models): no per-key group bookkeeping."""
+        for key in new_keys:
+            if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
+                self._group(key)  # raises the error that names the key
+        if self.lower is not None:
+            for key in new_keys:
+                self.lower.observe(key)
+        evicted = self._make_room([len(new_keys)], protected=keys)
+        if evicted is None:
+            self.stats.rejected_stores += 1
+            return None
+        slots = self._allocators[0].allocate(len(new_keys)) if new_keys else []
+        assert slots is not None, "eviction freed too few slots"
+        rows = self._rows
+        for key, slot in zip(new_keys, slots, strict=True):
+            rows[key] = _Row(0, slot)
+        policy = self._policies[0]
+        if len(new_keys) == len(keys):  # the usual store: every key new, so one run
+            if new_keys:
+                policy.on_insert_run(new_keys, None)
+        else:
+            for _, run, parent in _new_runs(keys, dict.fromkeys(new_keys, 0)):
+                policy.on_insert_run(run, parent)
+        self._write_back(extra=len(new_keys))
+        return PrepareStoreOutput(new_keys, HostSlots(new_keys, slots), evicted)
+
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         self.poll()
         stored: list[OffloadKey] = []
+        rows, stored_events = self._rows, self._events.stored
+        dirty = self.lower is not None and self.lower.has_write_back
         for key in keys:
-            row = self._rows.get(key)
+            row = rows.get(key)
             if row is None or row.ready:
                 log.warning("complete_store: key %s was not being stored", key.hex())
                 continue
             if success:
                 row.ready = True
-                row.dirty = self.lower is not None and self.lower.has_write_back
-                self._events.stored[key] = None
-                self.stats.stored_rows += 1
+                if dirty:
+                    row.dirty = True
+                stored_events[key] = None
                 stored.append(key)
             else:
                 self._policies[self._group(key)].on_remove(key)
                 self._drop(key, removed_event=False)
                 self.stats.failed_stores += 1
+        self.stats.stored_rows += len(stored)
         if stored and self.lower is not None:
             self._copy_down(stored, on_evict=False)
             self._write_back()  # rows stored near the eviction end start their way down now
@@ -388,16 +432,23 @@ class OffloadingManager:
 
     def _drop_many(self, victims: list[OffloadKey]) -> None:
         """``_drop`` of readable rows (evicted, or a reset), freeing each group's slots at once."""
-        freed: dict[int, list[int]] = {}
-        rows, lower = self._rows, self.lower
+        freed: list[list[int]] = [[] for _ in range(self.num_groups)]
+        rows, stored, removed = self._rows, self._events.stored, self._events.removed
+        dirty = 0
         for key in victims:
             row = rows.pop(key)
-            freed.setdefault(row.group, []).append(row.slot)
-            if row.dirty and lower is not None:
-                lower.stats.dirty_dropped += 1
-            self._announce_removal(key)
-        for group, slots in freed.items():
-            self._allocators[group].free(slots)
+            freed[row.group].append(row.slot)
+            if row.dirty:
+                dirty += 1
+            if key in stored:  # _announce_removal, inlined
+                del stored[key]
+            else:
+                removed[key] = None
+        if dirty and self.lower is not None:
+            self.lower.stats.dirty_dropped += dirty
+        for group, slots in enumerate(freed):
+            if slots:
+                self._allocators[group].free(slots)
 
     def _announce_removal(self, key: OffloadKey) -> None:
         if key in self._events.stored:  # stored and removed since the last drain: never seen
@@ -407,13 +458,20 @@ class OffloadingManager:
 
     def _evictable(self, protected: set[OffloadKey], *, clean_only: bool) -> Callable[[object], bool]:
         """Whether a row may go: readable, not pinned or read, not protected by the call or the step."""
-        step_hits = self._step_hits
+        rows, step_hits = self._rows, self._step_hits
+        if not clean_only or self.lower is None:  # without tiers below no row is dirty
+
+            def evictable_any(key: object) -> bool:
+                row = rows[key]  # type: ignore[index]
+                return row.ready and not (row.pins or row.readers or key in protected or key in step_hits)
+
+            return evictable_any
 
         def evictable(key: object) -> bool:
-            row = self._rows[key]  # type: ignore[index]
+            row = rows[key]  # type: ignore[index]
             if not row.ready or row.pins or row.readers or key in protected or key in step_hits:
                 return False
-            return not (clean_only and row.dirty)
+            return not row.dirty
 
         return evictable
 

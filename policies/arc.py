@@ -9,10 +9,11 @@ tier learns that one of its past victims was wanted.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
 
 class ARCPolicy(EvictionPolicy):
@@ -65,41 +66,43 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._t2.pop(key, None)
 
+    def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
+        # ``on_insert`` for each key, tail first, in one loop: stores are most of a tier's
+        # calls, and a run of new keys (the usual case) only appends to T1.
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            if key in t1 or key in t2 or key in b1 or key in b2:
+                self.on_insert(key)
+            else:
+                t1[key] = None
+
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
         if n <= 0:
             return []
-        # Choose all victims before changing anything (all-or-nothing); each list is walked
-        # once, from its least recent end, so a batch costs O(n + skipped pinned keys).
+        # Victim by victim, ARC takes T1's least recent key while |T1| > p, else T2's, and
+        # falls back to the other list when the chosen one has nothing evictable. Taking
+        # from T2 leaves |T1| as it is, so that is three walks: T1 while |T1| > p, then
+        # T2, then the rest of T1. All victims are chosen before anything changes
+        # (all-or-nothing), and each list is walked once: O(n + skipped pinned keys).
         t1, t2 = self._t1, self._t2
-        t1_iter, t2_iter = iter(t1), iter(t2)
-        t1_left = len(t1)
-        p = self.p
-        from_t1: list[Key] = []
-        from_t2: list[Key] = []
-        chosen: list[Key] = []
-        for _ in range(n):
-            first, second = (t1_iter, t2_iter) if t1_left > p else (t2_iter, t1_iter)
-            key = _next_evictable(first, evictable)
-            if key is None:
-                first = second
-                key = _next_evictable(first, evictable)
-                if key is None:
-                    return None
-            if first is t1_iter:
-                t1_left -= 1
-                from_t1.append(key)
-            else:
-                from_t2.append(key)
-            chosen.append(key)
+        t1_iter = iter(t1)
+        # |T1| - k <= p after k keys from T1: the first walk takes ceil(|T1| - p) at most.
+        first = take_evictable(t1_iter, evictable, min(n, max(0, math.ceil(len(t1) - self.p))))
+        from_t2 = take_evictable(t2, evictable, n - len(first))
+        last = take_evictable(t1_iter, evictable, n - len(first) - len(from_t2))
+        if len(first) + len(from_t2) + len(last) < n:
+            return None
         b1, b2 = self._b1, self._b2
-        for key in from_t1:
-            del t1[key]
-            b1[key] = None
+        for part in (first, last):
+            for key in part:
+                del t1[key]
+                b1[key] = None
         for key in from_t2:
             del t2[key]
             b2[key] = None
         self._trim_ghosts()
-        return chosen
+        return first + from_t2 + last
 
     def _trim_ghosts(self) -> None:
         b1, b2 = self._b1, self._b2
@@ -130,10 +133,3 @@ class ARCPolicy(EvictionPolicy):
         for part in (self._t1, self._t2, self._b1, self._b2):
             part.clear()
         self.p = 0.0
-
-
-def _next_evictable(keys: Iterator[Key], evictable: Evictable) -> Key | None:
-    for key in keys:
-        if evictable(key):
-            return key
-    return None

@@ -31,7 +31,7 @@ own business and must stay bounded by a constant times ``capacity``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 Key = Hashable
 """An opaque key. kvtier passes ``bytes`` (an ``OffloadKey``); the simulator passes ints."""
@@ -43,6 +43,20 @@ Evictable = Callable[[Key], bool]
 def always_evictable(_key: Key) -> bool:
     """The predicate for owners that never pin (the trace simulator, a disk index)."""
     return True
+
+
+def take_evictable(keys: Iterable[Key], evictable: Evictable, n: int) -> list[Key]:
+    """Up to ``n`` keys of ``keys``, in order, that ``evictable`` allows (a plan: nothing
+    is removed). An iterator is left just after the last key taken, so a later call on it
+    goes on from there."""
+    chosen: list[Key] = []
+    if n > 0:
+        for key in keys:
+            if evictable(key):
+                chosen.append(key)
+                if len(chosen) == n:
+                    break
+    return chosen
 
 
 class EvictionPolicy(ABC):

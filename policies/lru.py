@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
 
 class LRUPolicy(EvictionPolicy):
@@ -26,6 +26,15 @@ class LRUPolicy(EvictionPolicy):
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
+        order = self._order
+        for i in range(len(keys) - 1, -1, -1):  # tail first, as the base class does
+            key = keys[i]
+            if key in order:
+                order.move_to_end(key)
+            else:
+                order[key] = None
+
     def on_access(self, key: Key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
@@ -36,12 +45,7 @@ class LRUPolicy(EvictionPolicy):
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
         if n <= 0:
             return []
-        chosen: list[Key] = []
-        for key in self._order:
-            if evictable(key):
-                chosen.append(key)
-                if len(chosen) == n:
-                    break
+        chosen = take_evictable(self._order, evictable, n)
         if len(chosen) < n:
             return None
         for key in chosen:

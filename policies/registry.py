@@ -5,7 +5,8 @@ alpha=0.5)``. Every failure is a ``ValueError`` that names the policy and what i
 the configuration layer can report the key and value at fault.
 
 Built-in names: ``lru``, ``slru``, ``arc``, ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
-``cost`` (alias ``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself). Any
+``tinylfu-adaptive`` (its window sized by hill climbing, as in Caffeine), ``cost`` (alias
+``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself). Any
 of them, or a module path, wrapped in prefix-aware eviction
 (``policies.prefix_aware.PrefixAware``): ``"prefix:<name>"``, e.g. ``"prefix:arc"`` or
 ``"prefix:my_pkg.policies:MyPolicy"``. The parameters go to the inner policy, except
@@ -19,6 +20,7 @@ import importlib
 import inspect
 from typing import Any
 
+from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
 from policies.arc import ARCPolicy
 from policies.base import EvictionPolicy
 from policies.cost_aware import CostAwarePolicy
@@ -29,7 +31,16 @@ from policies.s3fifo import S3FIFOPolicy
 from policies.slru import SLRUPolicy
 from policies.tinylfu import TinyLFUPolicy
 
-_CLASSES = (LRUPolicy, SLRUPolicy, ARCPolicy, S3FIFOPolicy, TinyLFUPolicy, CostAwarePolicy, HitDensityPolicy)
+_CLASSES = (
+    LRUPolicy,
+    SLRUPolicy,
+    ARCPolicy,
+    S3FIFOPolicy,
+    TinyLFUPolicy,
+    AdaptiveTinyLFUPolicy,
+    CostAwarePolicy,
+    HitDensityPolicy,
+)
 _BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in _CLASSES}
 _ALIASES = {"w-tinylfu": TinyLFUPolicy.name, "cost-aware": CostAwarePolicy.name}
 PREFIX = "prefix:"

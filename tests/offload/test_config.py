@@ -150,3 +150,11 @@ def test_user_policy_by_module_path():
     assert config.host.eviction == "policies.lru:LRUPolicy"
     with pytest.raises(ConfigError, match="cannot import"):
         parse_config({"tiers": [{"kind": "host", "capacity": "1GiB", "eviction": "no_such_mod:Policy"}]})
+
+
+def test_a_built_in_policy_and_its_parameters_by_name():
+    tier = {"kind": "host", "capacity": "1GiB", "eviction": "prefix:tinylfu-adaptive"}
+    config = parse_config({"tiers": [{**tier, "eviction_params": {"climb_sample": 2}}]})
+    assert config.host.eviction == "prefix:tinylfu-adaptive"
+    with pytest.raises(ConfigError, match="climb_sample"):
+        parse_config({"tiers": [{**tier, "eviction_params": {"climb_sample": -1}}]})

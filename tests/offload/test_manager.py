@@ -207,3 +207,35 @@ def test_a_hit_is_not_evicted_before_the_step_ends():
     assert m.prepare_store([k(4)]) is None  # k1 reported HIT, k3 in flight: nothing to evict
     m.on_schedule_end()
     assert m.prepare_store([k(4)]).evicted_keys == [k(1)]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_bad_key_is_an_error_that_changes_nothing(groups):
+    m = manager(slots=2, groups=groups)
+    stored(m, 1)
+    with pytest.raises(ValueError, match="names group 5"):
+        m.prepare_store([k(2), k(3, 5)])
+    with pytest.raises(ValueError, match="too short"):
+        m.prepare_store([k(2), b"\x00"])
+    assert len(m) == 1 and m.lookup(k(2)) is MISS and m.lookup(k(1)) is HIT
+
+
+class RunRecorder(LRUPolicy):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.runs: list[tuple[list[bytes], bytes | None]] = []
+
+    def on_insert_run(self, keys, parent=None):
+        self.runs.append((list(keys), parent))
+        super().on_insert_run(keys, parent)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_new_keys_reach_the_policy_as_runs_with_their_parent(groups):
+    m = OffloadingManager(groups, 8, RunRecorder)
+    stored(m, 1, 2, 5)
+    out = m.prepare_store([k(i) for i in (1, 2, 3, 4, 5, 6)])
+    assert out.keys_to_store == [k(3), k(4), k(6)]
+    runs = m._policies[0].runs
+    assert runs[0] == ([k(1), k(2), k(5)], None)  # every key new: one run
+    assert runs[1:] == [([k(3), k(4)], k(2)), ([k(6)], k(5))]

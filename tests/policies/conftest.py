@@ -3,5 +3,19 @@
 from __future__ import annotations
 
 # Every built-in policy, and each wrapped in prefix-aware eviction.
-BASE_POLICIES = ["lru", "slru", "arc", "s3fifo", "tinylfu", "cost", "lhd"]
+BASE_POLICIES = ["lru", "slru", "arc", "s3fifo", "tinylfu", "tinylfu-adaptive", "cost", "lhd"]
 ALL_POLICIES = BASE_POLICIES + [f"prefix:{name}" for name in BASE_POLICIES]
+
+
+def replay(policy, keys: list[int]) -> int:
+    """Hits of ``policy`` as a plain cache over ``keys``: a miss evicts one key if full, then inserts."""
+    hits = 0
+    for key in keys:
+        if key in policy:
+            policy.on_access(key)
+            hits += 1
+            continue
+        if len(policy) >= policy.capacity:
+            policy.evict(1)
+        policy.on_insert(key)
+    return hits

@@ -9,19 +9,7 @@ from hypothesis import strategies as st
 
 from policies import make_policy
 from policies.hit_density import HitDensityPolicy
-
-
-def replay(policy, keys: list[int]) -> int:
-    hits = 0
-    for key in keys:
-        if key in policy:
-            policy.on_access(key)
-            hits += 1
-            continue
-        if len(policy) >= policy.capacity:
-            policy.evict(1)
-        policy.on_insert(key)
-    return hits
+from tests.policies.conftest import replay
 
 
 def test_it_learns_a_loop_that_lru_thrashes_on() -> None:

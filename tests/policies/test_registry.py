@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies import make_policy, policy_names
+from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
 from policies.arc import ARCPolicy
 from policies.cost_aware import CostAwarePolicy
 from policies.lru import LRUPolicy
@@ -23,6 +24,7 @@ from policies.tinylfu import TinyLFUPolicy
         ("s3fifo", S3FIFOPolicy),
         ("tinylfu", TinyLFUPolicy),
         ("w-tinylfu", TinyLFUPolicy),
+        ("tinylfu-adaptive", AdaptiveTinyLFUPolicy),
         ("cost", CostAwarePolicy),
         ("cost-aware", CostAwarePolicy),
         ("policies.arc:ARCPolicy", ARCPolicy),
