@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from offload.layout import CanonicalKVCaches, widest_int_dtype
-from offload.row_layout import GroupRowLayout, convert_row
+from offload.row_layout import GroupRowLayout, convert_into
 
 ROW_COPY_MIN_BYTES = 256 * 2**10
 """A CPU load scatters rows at least this big with one ``copy_`` each: measured here, a
@@ -171,7 +171,7 @@ class RowCopier:
         rewritten into ``target`` (ours), into device block ``blocks[i]``.
 
         The row is copied to the device whole (a DMA on CUDA), rewritten there with torch
-        (``convert_row``: two passes in device memory) and scattered into the blocks like a
+        (``convert_into``: one pass in device memory) and scattered into the blocks like a
         staged load. On CPU the same steps run on CPU tensors.
         """
         if self.host_rows.shape[1] * self.blocks_per_row != self.host_slab.shape[1]:
@@ -187,8 +187,9 @@ class RowCopier:
         target: GroupRowLayout,
     ) -> None:
         staged = self.host_slab[slot].to(self.device, non_blocking=True, copy=True)
-        convert_row(staged, source, target)
-        subs = staged.view(self.blocks_per_row, self.block_bytes)[sub_rows]
+        converted = torch.empty_like(staged)
+        convert_into(staged, converted, source, target)
+        subs = converted.view(self.blocks_per_row, self.block_bytes)[sub_rows]
         index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
         for col, stage_cols in zip(self.columns, self._stage_columns(subs), strict=True):
             col.device.index_copy_(0, index, stage_cols)

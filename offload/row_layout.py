@@ -78,6 +78,14 @@ class GroupRowLayout:
             return row.view(b, layers, kv, t, h, words).permute(1, 2, 0, 3, 4, 5)
         return row.view(b, layers, kv, h, t, words).permute(1, 2, 0, 4, 3, 5)
 
+    def granule(self, row: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
+        """Tokens ``[index * tokens, (index + 1) * tokens)`` of a flat row, as a
+        ``[layers, kv, tokens, heads, words]`` view (``tokens`` divides the block size)."""
+        view = self.token_view(row)  # [layers, kv, blocks, block_tokens, heads, words]
+        per_block = self.block_tokens // tokens
+        block, start = divmod(index, per_block)
+        return view[:, :, block, start * tokens : (start + 1) * tokens]
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -114,10 +122,15 @@ class RowLayout:
 
 
 def convert_row(row: torch.Tensor, source: GroupRowLayout, target: GroupRowLayout) -> None:
-    """Rewrite ``row`` (1-d uint8, a host row) from ``source`` layout into ``target``, in place.
+    """Rewrite ``row`` (1-d uint8, a host row, on any device) from ``source`` layout into
+    ``target``, in place. Raises ``ValueError`` if the layouts hold different content.
 
-    Two passes: the row is read once into a token-ordered copy, then written back in the
-    target order. Raises ``ValueError`` if the layouts hold different content.
+    Two passes: a plain copy of the row, so the rewrite never reads what it has written,
+    then the rewrite (``convert_into``), one granule of ``min(block tokens)`` tokens at a
+    time (for every layer and K/V half at once). Copying granule by granule keeps each
+    copy's inner dimension a run of whole heads (or whole tokens); one permuted copy of the
+    whole row ran up to 2x slower on CPU (measured here), torch's copy kernel then walking
+    the row in an unlucky order.
     """
     if source.logical() != target.logical():
         raise ValueError(f"rows of {source} cannot become rows of {target}: another shape")
@@ -125,16 +138,22 @@ def convert_row(row: torch.Tensor, source: GroupRowLayout, target: GroupRowLayou
         raise ValueError(f"a row of {row.numel()} B is not a {source.row_bytes} B row of {source}")
     if source == target:
         return
-    words = row.view(_word_dtype(source.head_bytes, row))
-    layers, kv, heads, _, tokens = source.logical()
-    as_tokens = source.token_view(words)
-    ordered = torch.empty(as_tokens.shape, dtype=as_tokens.dtype, device=row.device)  # never aliases the row
-    ordered.copy_(as_tokens)
-    target.token_view(words).copy_(
-        ordered.view(layers, kv, tokens, heads, -1).view(
-            layers, kv, target.blocks_per_row, target.block_tokens, heads, -1
-        )
-    )
+    convert_into(row.clone(), row, source, target)
+
+
+def convert_into(
+    src: torch.Tensor, dst: torch.Tensor, source: GroupRowLayout, target: GroupRowLayout
+) -> None:
+    """Write the row ``src`` (``source`` layout) into ``dst`` in ``target`` layout: one pass.
+
+    ``src`` and ``dst`` are flat uint8 rows of one device that must not overlap."""
+    word = _word_dtype(source.head_bytes, src)
+    if _word_dtype(source.head_bytes, dst) != word:
+        word = torch.uint8
+    src_words, dst_words = src.view(word), dst.view(word)
+    granule = min(source.block_tokens, target.block_tokens)
+    for index in range(source.row_tokens // granule):
+        target.granule(dst_words, index, granule).copy_(source.granule(src_words, index, granule))
 
 
 def _word_dtype(head_bytes: int, row: torch.Tensor) -> torch.dtype:
