@@ -37,7 +37,7 @@ import uvloop
 
 from bench.report import write_json
 from tiers.disk import DiskTier
-from tiers.lmdb_store import DATA_FILE
+from tiers.lmdb_store import DATA_FILES
 
 ROW_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # layers x (K, V) x tokens x KV heads x head dim x bf16
 NAMESPACE = bytes(range(16))
@@ -88,7 +88,7 @@ class Bench:
         self.total = setup.rows * setup.row_bytes
         self.plain_path = os.path.join(setup.workdir, "plain.bin")
         self.tier_path = os.path.join(setup.workdir, "tier")
-        self.tier_data = os.path.join(self.tier_path, DATA_FILE)
+        self.tier_files = [os.path.join(self.tier_path, name) for name in DATA_FILES]
         self.src = bytearray(os.urandom(setup.batch * setup.row_bytes))
         self.dst = bytearray(setup.batch * setup.row_bytes)
         self.src_rows = _rows(self.src, setup.row_bytes)
@@ -142,8 +142,7 @@ class Bench:
         return elapsed
 
     async def tier_write(self) -> float:
-        if os.path.exists(self.tier_data):
-            drop_cache(self.tier_data)
+        self._drop_tier_cache()
         self.generation += 1
         tier = self._tier()
         await tier.open()
@@ -159,7 +158,7 @@ class Bench:
 
     async def tier_read(self, cold: bool) -> float:
         if cold:
-            drop_cache(self.tier_data)
+            self._drop_tier_cache()
         tier = self._tier()
         await tier.open()  # rebuilds the index (no row is read): not part of the timing
         try:
@@ -173,6 +172,11 @@ class Bench:
             await tier.close()
         self._check_dst()
         return elapsed
+
+    def _drop_tier_cache(self) -> None:
+        for path in self.tier_files:  # the rows file and the LMDB index
+            if os.path.exists(path):
+                drop_cache(path)
 
     def _check_dst(self) -> None:
         """The last batch read holds the bytes written (every batch wrote the same rows)."""

@@ -52,8 +52,8 @@ from policies import make_policy
 from tiers.base import LowerTier, Row, TierError
 from tiers.dir_lock import DirLock
 from tiers.disk_index import DiskIndex
-from tiers.lmdb_store import LmdbStore, ReadOutcome, entry_bytes
-from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES
+from tiers.lmdb_store import LmdbStore, Read, ReadOutcome, entry_bytes
+from tiers.row_format import LAYOUT_ID_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +139,8 @@ class DiskTier(LowerTier):
         self.sync = sync
         self.row_bytes = row_bytes
         self.read_threads = read_threads
-        self.map_size = -(-(capacity_bytes + margin) // _MiB) * _MiB
-        self._store = LmdbStore(self.path, self.map_size, sync=sync)
+        self.file_limit = -(-(capacity_bytes + margin) // _MiB) * _MiB
+        self._store = LmdbStore(self.path, self.file_limit, default_map_margin(capacity_bytes), sync=sync)
         self._dir_lock = DirLock(self.path)
         self._index = self._new_index()
         self._foreign_rows = 0
@@ -150,12 +150,10 @@ class DiskTier(LowerTier):
         self._readers: ThreadPoolExecutor | None = None
         self._warned: set[str] = set()
 
-    def _new_index(self, page_size: int = 4096) -> DiskIndex:
+    def _new_index(self) -> DiskIndex:
         row_entry = None
         if self.row_bytes is not None:
-            row_entry = entry_bytes(
-                NAMESPACE_BYTES + OFFLOAD_KEY_BYTES, HEADER_BYTES + self.row_bytes, page_size
-            )
+            row_entry = entry_bytes(NAMESPACE_BYTES + OFFLOAD_KEY_BYTES, self.row_bytes)
         return DiskIndex(self.capacity_bytes, self.eviction, self.eviction_params, row_entry)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -182,7 +180,7 @@ class DiskTier(LowerTier):
         self._dir_lock.acquire()
         self._store.open()
         own, self._foreign_rows, self._foreign_bytes = self._store.scan(self.namespace)
-        index = self._new_index(self._store.page_size)  # a reopened tier starts from the file
+        index = self._new_index()  # a reopened tier starts from the file
         index.load([(entry.key, entry.size, entry.seq) for entry in own], self._foreign_bytes)
         self._index = index
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -196,12 +194,12 @@ class DiskTier(LowerTier):
             )
         self._shrink_to_capacity()
         log.info(
-            "disk tier at %s: %d rows, %.1f of %.1f MiB, map %.1f MiB, sync=%s, eviction=%s",
+            "disk tier at %s: %d rows, %.1f of %.1f MiB, rows file up to %.1f MiB, sync=%s, eviction=%s",
             self.path,
             len(index),
             index.used / _MiB,
             self.capacity_bytes / _MiB,
-            self.map_size / _MiB,
+            self.file_limit / _MiB,
             self.sync,
             self.eviction,
         )
@@ -214,7 +212,7 @@ class DiskTier(LowerTier):
             return
         try:
             self._store.write([self.namespace + key for key in victims], [], self.layout_id)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             raise TierError(f"disk tier at {self.path!r}: cannot shrink to the capacity: {exc}") from exc
         with self._index.mutex:
             self._index.book([], [], victims)
@@ -252,7 +250,7 @@ class DiskTier(LowerTier):
             rows=len(self._index),
             bytes=self._index.used,
             capacity_bytes=self.capacity_bytes,
-            map_size=self.map_size,
+            file_limit=self.file_limit,
             foreign_rows=self._foreign_rows,
             foreign_bytes=self._foreign_bytes,
         )
@@ -271,10 +269,9 @@ class DiskTier(LowerTier):
         return await self._on_writer(self._put_blocking, batch)
 
     def _put_blocking(self, rows: list[tuple[bytes, memoryview]]) -> list[bool]:
-        page = self._store.page_size
         max_key = self._store.env.max_key_size() - NAMESPACE_BYTES
         sizes = [
-            (key, entry_bytes(NAMESPACE_BYTES + len(key), HEADER_BYTES + len(row), page))
+            (key, entry_bytes(NAMESPACE_BYTES + len(key), len(row)))
             for key, row in rows
             if 0 < len(key) <= max_key
         ]
@@ -290,7 +287,7 @@ class DiskTier(LowerTier):
                     [(self.namespace + keys[row.index], views[row.index], row.seq) for row in planned],
                     self.layout_id,
                 )
-            except lmdb.Error as exc:
+            except (lmdb.Error, OSError) as exc:
                 with self._index.mutex:
                     self._index.undo(victims, used_before)
                     self._counters["write_errors"] += 1
@@ -319,7 +316,7 @@ class DiskTier(LowerTier):
             return
         try:
             self._store.write([self.namespace + key for key in present], [], self.layout_id)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1
             self._warn_once(
@@ -354,63 +351,59 @@ class DiskTier(LowerTier):
             readers = self._pool(self._readers)
             step = -(-len(wanted) // min(self.read_threads, len(wanted)))
             chunks = [wanted[at : at + step] for at in range(0, len(wanted), step)]
-            served: list[bytes | None] = [None] * len(rows)
-            outcomes = await asyncio.gather(
-                *(loop.run_in_executor(readers, self._read_blocking, chunk, served) for chunk in chunks)
+            chunk_reads = await asyncio.gather(
+                *(loop.run_in_executor(readers, self._read_blocking, chunk) for chunk in chunks)
             )
-            corrupt: list[bytes] = []
-            for chunk, chunk_outcomes in zip(chunks, outcomes, strict=True):
-                for (i, key, _), outcome in zip(chunk, chunk_outcomes, strict=True):
-                    results[i] = outcome is ReadOutcome.HIT
+            corrupt: list[tuple[bytes, int]] = []
+            for chunk, reads in zip(chunks, chunk_reads, strict=True):
+                for (i, key, _), read in zip(chunk, reads, strict=True):
+                    results[i] = read.outcome is ReadOutcome.HIT
                     if layouts is not None:
-                        layouts[i] = served[i]
-                    if outcome is ReadOutcome.CORRUPT:
-                        corrupt.append(key)
+                        layouts[i] = read.layout_id
+                    if read.outcome is ReadOutcome.CORRUPT and read.seq is not None:
+                        corrupt.append((key, read.seq))
             if corrupt:
                 await self._on_writer(self._drop_corrupt_blocking, corrupt)
         with self._index.mutex:
             self._counters["misses"] += misses
         return results
 
-    def _read_blocking(
-        self, chunk: list[tuple[int, bytes, memoryview]], served: list[bytes | None]
-    ) -> list[ReadOutcome]:
-        chunk_served: list[bytes | None] = [None] * len(chunk)
+    def _read_blocking(self, chunk: list[tuple[int, bytes, memoryview]]) -> list[Read]:
         try:
-            outcomes = self._store.read_into(
-                [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts, chunk_served
+            reads = self._store.read_into(
+                [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts
             )
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["read_errors"] += 1
                 self._counters["misses"] += len(chunk)
             self._warn_once("read", "disk tier at %s: a read of %d rows failed: %s", exc, len(chunk))
-            return [ReadOutcome.ERROR] * len(chunk)
-        for (i, _, _), layout in zip(chunk, chunk_served, strict=True):
-            served[i] = layout
+            return [Read(ReadOutcome.ERROR)] * len(chunk)
         with self._index.mutex:
-            hits = [key for (_, key, _), out in zip(chunk, outcomes, strict=True) if out is ReadOutcome.HIT]
+            hits = [key for (_, key, _), r in zip(chunk, reads, strict=True) if r.outcome is ReadOutcome.HIT]
             self._index.hit(reversed(hits))  # tail first, as the policy contract asks
             self._counters["hits"] += len(hits)
-            for outcome in outcomes:
-                if outcome is not ReadOutcome.HIT:
+            for read in reads:
+                if read.outcome is not ReadOutcome.HIT:
                     self._counters["misses"] += 1
-                    self._counters["mismatched"] += outcome in _MISMATCHED
-                    self._counters["read_errors"] += outcome is ReadOutcome.ERROR
-        for (_, key, _), outcome in zip(chunk, outcomes, strict=True):
-            if outcome is ReadOutcome.CORRUPT:
+                    self._counters["mismatched"] += read.outcome in _MISMATCHED
+                    self._counters["read_errors"] += read.outcome is ReadOutcome.ERROR
+        for (_, key, _), read in zip(chunk, reads, strict=True):
+            if read.outcome is ReadOutcome.CORRUPT:
                 log.warning(
                     "disk tier at %s: corrupt row %s (checksum or header), deleting it", self.path, key.hex()
                 )
-        return outcomes
+        return reads
 
-    def _drop_corrupt_blocking(self, keys: list[bytes]) -> None:
+    def _drop_corrupt_blocking(self, found: list[tuple[bytes, int]]) -> None:
         try:
-            deleted = self._store.delete_corrupt([self.namespace + key for key in keys], self.layouts)
-        except lmdb.Error as exc:
+            deleted = self._store.delete_corrupt([(self.namespace + key, seq) for key, seq in found])
+        except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1
-            self._warn_once("corrupt", "disk tier at %s: deleting %d corrupt rows failed: %s", exc, len(keys))
+            self._warn_once(
+                "corrupt", "disk tier at %s: deleting %d corrupt rows failed: %s", exc, len(found)
+            )
             return
         with self._index.mutex:
             self._index.forget([key[NAMESPACE_BYTES:] for key in deleted])
