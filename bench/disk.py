@@ -1,13 +1,14 @@
 """``kvtier bench disk``: row write and read GB/s through the disk tier vs plain file I/O.
 
-The same bytes go two ways in the same run: through ``DiskTier`` (LMDB, one transaction
-per batch, a header and checksum per row, evicting as it goes) and through a plain file
-(``pwritev`` of each batch, sequential ``readv``), with the same fsync policy: ``fsync``
-flushes every batch to the device on both sides (a commit with ``sync=True``;
+The same bytes go two ways in the same run: through ``DiskTier`` (each row written to its
+pages of the rows file with its checksummed trailer, one LMDB index commit per batch,
+evicting as it goes; reads verify every row) and through a plain file (``pwritev`` of each
+batch, sequential ``readv``), with the same fsync policy: ``fsync`` flushes every batch to
+the device on both sides (``fdatasync`` of the rows file and a synced LMDB commit;
 ``fdatasync`` for the file), ``nosync`` flushes neither. Rows are Llama-3-8B-shaped KV
 blocks by default (32 layers x K,V x 16 tokens x 8 KV heads x head dim 128, bf16: 2 MiB).
 
-Page cache: every write and every "cold" read starts with its own file flushed and dropped
+Page cache: every write and every "cold" read starts with its own files flushed and dropped
 from the page cache (``POSIX_FADV_DONTNEED``, the tier closed so no mapping pins pages),
 on both sides alike; a disk tier is larger than RAM, so what it writes over and reads back
 is mostly not cached. A "warm" read follows the cold one, everything cached: it shows the
@@ -43,6 +44,10 @@ ROW_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # layers x (K, V) x tokens x KV heads x h
 NAMESPACE = bytes(range(16))
 LAYOUT_ID = bytes(range(16, 32))
 TARGET = 0.7
+MEASURED = (
+    "DiskTier.put/get of whole batches (rows file + LMDB index, every row checksummed on write "
+    "and verified on read, evicting the previous round's rows) vs plain pwritev/readv"
+)
 
 Op = Callable[[], Awaitable[float]]
 
@@ -255,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         size = f"{args.rows} rows x {args.row_bytes / 2**20:g} MiB ({gib:.2f} GiB)"
         where = f"{workdir} on {fstype}, {os.cpu_count()} CPUs, {platform.machine()}"
         print(f"{size} per pass, {args.batch} rows per batch, {args.rounds} rounds; {where}")
+        print(f"measured: {MEASURED}; medians")
         setup = Setup(args.rows, args.row_bytes, args.batch, args.rounds, workdir)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             for sync in policies:
@@ -273,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         payload = {
             "command": command,
+            "measured": MEASURED,
             "baseline": "plain sequential pwritev/readv of the same bytes, same run, same fsync policy",
-            "page_cache": "writes and cold reads start with their file fsynced and dropped (DONTNEED)",
+            "page_cache": "writes and cold reads start with their files fsynced and dropped (DONTNEED)",
+            "statistic": "median over rounds; the two sides alternate who goes first",
             "headline_policy": headline,
             "write_ratio": results[headline].write_ratio,
             "read_ratio": results[headline].read_ratio,

@@ -1,40 +1,43 @@
-"""The disk tier: rows in one LMDB file, persistent across restarts, checksummed, bounded.
+"""The disk tier: rows in a local file, persistent across restarts, checksummed, bounded.
 
-Key: ``namespace + block key``. Value: the 40-byte ``RowHeader`` (format version, layout
-id, row length, xxh3 checksum) followed by the row. A row is served only when its header
-matches this tier's layout and its checksum matches the bytes copied out; a torn, flipped
-or foreign value is a miss, never garbage (a corrupt one is deleted and counted).
+Files (``lmdb_store``): the rows in a plain rows file, each written with one ``pwritev``
+straight from the host row and followed by its 64-byte trailer (the ``RowHeader``: format
+version, layout id, row length, xxh3 checksum; then the write's sequence number and a key
+digest); an LMDB index, ``namespace + block key`` -> where the row is, committed after the
+row is written. A row is served only when its trailer matches its index entry, its key
+and a layout this tier reads, and its checksum matches the bytes copied out; a torn,
+flipped, stale or foreign row is a miss, never garbage (a corrupt one is deleted and
+counted).
 
-Threading (see ``LowerTier``): the coroutines run on the tier engine's event loop; LMDB
-work runs on executor threads the tier owns. Every write (a ``put`` batch, a ``delete``, the
-removal of a corrupt row) runs on **one** writer thread, in submission order, so there is
-one write transaction at a time and the in-memory index changes in the order the file
-does. Reads run on a small reader pool, each chunk of a ``get`` in its own read transaction
-(LMDB readers never block the writer, nor each other). The bookkeeping (``DiskIndex``:
-key -> bytes, and the eviction policy) is shared by those threads under one mutex, held
-only for bookkeeping, never across I/O; ``may_contain`` and ``stats`` read without it.
+Threading (see ``LowerTier``): the coroutines run on the tier engine's event loop; file and
+LMDB work runs on executor threads the tier owns. Every write (a ``put`` batch, a
+``delete``, the removal of a corrupt row) runs on **one** writer thread, in submission
+order, so there is one commit at a time and the in-memory index changes in the order the
+files do. Reads run on a small reader pool, each chunk of a ``get`` on its own thread; a
+read never blocks the writer, and pages a commit frees are not reused while a read that
+began before it runs. The bookkeeping (``DiskIndex``: key -> bytes, and the eviction
+policy) is shared by those threads under one mutex, held only for bookkeeping, never across
+I/O; ``may_contain`` and ``stats`` read without it.
 
 A cancelled ``put``/``get``/``delete`` coroutine does not cancel the executor work it
 started: a batch is committed (or not) and booked as a whole, and a ``get`` may still write
 into its buffers until its read finishes, so the caller keeps those slots until then.
 
-Capacity: ``capacity_bytes`` bounds the bytes the file spends on this namespace's rows
-(``lmdb_store.entry_bytes``: overflow pages exactly, B-tree leaf nodes estimated), less any
-rows of other namespaces found in the file (they are never served, never evicted by this
-tier, and counted in ``stats()``). The eviction policy (any of ``policies/``) chooses
-victims; they are deleted in the same transaction that stores the batch needing the room.
+Capacity: ``capacity_bytes`` bounds the bytes this namespace's rows cost
+(``lmdb_store.entry_bytes``: whole pages of the rows file, and the index entry estimated),
+less any rows of other namespaces found in the files (they are never served, never evicted
+by this tier, and counted in ``stats()``). The eviction policy (any of ``policies/``)
+chooses victims; they are deleted in the same commit that stores the batch needing the room.
 
-The LMDB map is ``capacity + margin``. The margin is what LMDB needs beyond the rows: its
-B-tree and free-list pages, and the pages of the last two transactions (copy-on-write:
-pages freed by a commit are reused only once no snapshot can see them, so a batch's new
-rows and the rows it evicts, and the previous batch's, coexist for a moment). The default,
-``capacity // 16 + 64 MiB`` (1 GiB for a 15 GiB tier), holds batches of a few hundred MiB;
-a batch that does not fit fails with ``MapFullError``: its stores are dropped and counted,
-nothing else changes.
+The rows file may span ``capacity + margin``. The margin holds the pages that are free but
+not yet reusable: those of the rows a batch evicts (reused from the next batch on) and those
+a running read still sees. The default, ``capacity // 16 + 64 MiB`` (1 GiB for a 15 GiB
+tier), holds batches of a few hundred MiB; a batch that does not fit fails whole: its stores
+are dropped and counted, nothing else changes. The LMDB index has a map of the same size.
 
-Restart: the index is rebuilt at ``open`` from LMDB's small ``index`` database (value
-lengths and insertion order; no row is read), so a restart is warm, and the policy is
-re-populated in insertion order (hits are not persisted: that would cost a write per hit).
+Restart: the index is read at ``open`` (no row is read), so a restart is warm, and the
+policy is re-populated in insertion order (hits are not persisted: that would cost a write
+per hit).
 """
 
 from __future__ import annotations
@@ -79,22 +82,24 @@ _COUNTERS = (
 _MISMATCHED = (ReadOutcome.MISMATCH, ReadOutcome.WRONG_LENGTH)
 
 
-def default_map_margin(capacity_bytes: int) -> int:
-    """LMDB's room beyond the rows (see the module docstring)."""
+def default_file_margin(capacity_bytes: int) -> int:
+    """The rows file's room beyond the capacity (see the module docstring)."""
     return capacity_bytes // 16 + 64 * _MiB
 
 
 class DiskTier(LowerTier):
-    """Rows of one namespace and layout in an LMDB environment at directory ``path``.
+    """Rows of one namespace and layout in directory ``path`` (rows file and LMDB index).
 
     ``sync``: whether each commit is flushed to the device (``fsync``) before ``put``
-    returns. Either way a commit is atomic and a *process* crash (SIGKILL included) never
-    loses a committed batch, nor leaves a partial one: the data is in the kernel's page
-    cache and LMDB's meta page is written last. Only an OS crash or power loss can lose the
-    batches committed since the last flush with ``sync=False`` (the file stays consistent).
+    returns (the rows file, then LMDB's commit). Either way a commit is atomic and a
+    *process* crash (SIGKILL included) never loses a committed batch, nor leaves a partial
+    one: the rows are in the kernel's page cache before the index names them. Only an OS
+    crash or power loss can lose the batches committed since the last flush with
+    ``sync=False``; what it leaves is still never served wrong (the trailer and checksum).
 
     ``eviction``/``eviction_params``: any policy of ``policies/`` (``make_policy``).
-    ``map_margin_bytes``: LMDB's room beyond the capacity (default ``default_map_margin``).
+    ``file_margin_bytes``: the rows file's room beyond the capacity (default
+    ``default_file_margin``).
     ``row_bytes``: the usual row size, to size the policy in rows from the start (ARC,
     S3-FIFO and W-TinyLFU size their segments from it); by default it is learned from the
     rows found at open, or the first row stored. ``read_threads``: the reader pool's size.
@@ -112,7 +117,7 @@ class DiskTier(LowerTier):
         eviction: str = "lru",
         eviction_params: dict[str, Any] | None = None,
         sync: bool = False,
-        map_margin_bytes: int | None = None,
+        file_margin_bytes: int | None = None,
         row_bytes: int | None = None,
         read_threads: int = 4,
         readable_layouts: Collection[bytes] = (),
@@ -125,9 +130,9 @@ class DiskTier(LowerTier):
             raise ValueError(f"disk tier layout id must be {LAYOUT_ID_BYTES} bytes, got {layout_id!r}")
         if read_threads < 1:
             raise ValueError(f"disk tier read_threads must be >= 1, got {read_threads!r}")
-        margin = default_map_margin(capacity_bytes) if map_margin_bytes is None else map_margin_bytes
+        margin = default_file_margin(capacity_bytes) if file_margin_bytes is None else file_margin_bytes
         if margin < 0:
-            raise ValueError(f"disk tier map_margin_bytes must be >= 0, got {map_margin_bytes!r}")
+            raise ValueError(f"disk tier file_margin_bytes must be >= 0, got {file_margin_bytes!r}")
         self.eviction = eviction
         self.eviction_params = dict(eviction_params or {})
         make_policy(eviction, 1, **self.eviction_params)  # a bad name or parameter fails here, not at open
@@ -140,7 +145,7 @@ class DiskTier(LowerTier):
         self.row_bytes = row_bytes
         self.read_threads = read_threads
         self.file_limit = -(-(capacity_bytes + margin) // _MiB) * _MiB
-        self._store = LmdbStore(self.path, self.file_limit, default_map_margin(capacity_bytes), sync=sync)
+        self._store = LmdbStore(self.path, self.file_limit, default_file_margin(capacity_bytes), sync=sync)
         self._dir_lock = DirLock(self.path)
         self._index = self._new_index()
         self._foreign_rows = 0

@@ -102,7 +102,15 @@ async def opened(path: Path, namespace: bytes = NS_A, layout: bytes = LAYOUT, **
 
 
 async def test_round_trip_is_byte_exact_for_every_size(tmp_path):
-    sizes = [0, 1, 100, 2000, 4096, 9000, 300_000]  # empty, in-leaf, at the edge, overflow pages
+    sizes = [
+        0,
+        1,
+        100,
+        4032,
+        4033,
+        9000,
+        300_000,
+    ]  # empty, small, a page with its trailer and one byte more, many pages
     keys = [key(i, group) for group, _ in enumerate(sizes) for i in range(3)]
     async with opened(tmp_path / "t") as tier:
         for group, size in enumerate(sizes):
@@ -188,6 +196,7 @@ async def test_eviction_keeps_the_file_within_capacity(tmp_path, policy):
         resident = {k for k in (key(i) for i in range(40)) if tier.may_contain(k)}
     assert stats["rows"] == len(resident) == 40 - stats["evictions"] and stats["rows"] >= 8
     assert raw_keys(path) == {NS_A + k for k in resident}
+    assert os.path.getsize(path / ROWS_FILE) <= stats["file_limit"]  # freed pages are reused
 
 
 async def test_lru_eviction_follows_the_policy_and_spares_hits(tmp_path):
@@ -384,10 +393,10 @@ async def test_an_index_of_the_older_format_is_dropped_at_open(tmp_path):
     assert names == {INDEX_DB}
 
 
-async def test_map_full_drops_the_batch_and_the_tier_goes_on(tmp_path):
-    # A map with no margin: the first batch fits, but replacing all of it in one
-    # transaction needs the old and the new pages at once (copy-on-write).
-    async with opened(tmp_path / "t", capacity=1 << 20, map_margin_bytes=0) as tier:
+async def test_a_full_rows_file_drops_the_batch_and_the_tier_goes_on(tmp_path):
+    # A rows file with no margin: the first batch fits, but replacing all of it in one
+    # commit needs the old and the new pages at once (the old are freed by that commit).
+    async with opened(tmp_path / "t", capacity=1 << 20, file_margin_bytes=0) as tier:
         first = [key(i) for i in range(12)]
         assert all(await tier.put(rows(first, 64_000)))
         second = [key(i) for i in range(100, 112)]
