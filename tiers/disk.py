@@ -2,7 +2,7 @@
 
 Files (``lmdb_store``): the rows in a plain rows file, each written with one ``pwritev``
 straight from the host row and followed by its 64-byte trailer (the ``RowHeader``: format
-version, layout id, row length, xxh3 checksum; then the write's sequence number and a key
+version, layout id, row length, xxh3 checksum; then a random id of the write and a key
 digest); an LMDB index, ``namespace + block key`` -> where the row is, committed after the
 row is written. A row is served only when its trailer matches its index entry, its key
 and a layout this tier reads, and its checksum matches the bytes copied out; a torn,
@@ -365,8 +365,8 @@ class DiskTier(LowerTier):
                     results[i] = read.outcome is ReadOutcome.HIT
                     if layouts is not None:
                         layouts[i] = read.layout_id
-                    if read.outcome is ReadOutcome.CORRUPT and read.seq is not None:
-                        corrupt.append((key, read.seq))
+                    if read.outcome is ReadOutcome.CORRUPT and read.write_id is not None:
+                        corrupt.append((key, read.write_id))
             if corrupt:
                 await self._on_writer(self._drop_corrupt_blocking, corrupt)
         with self._index.mutex:
@@ -402,7 +402,9 @@ class DiskTier(LowerTier):
 
     def _drop_corrupt_blocking(self, found: list[tuple[bytes, int]]) -> None:
         try:
-            deleted = self._store.delete_corrupt([(self.namespace + key, seq) for key, seq in found])
+            deleted = self._store.delete_corrupt(
+                [(self.namespace + key, write_id) for key, write_id in found]
+            )
         except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1

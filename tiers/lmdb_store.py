@@ -16,12 +16,12 @@ in one run of pages or a few (``PageAllocator``), laid out as: the row, then a 6
 trailer, then zeros to the end of the page (whole pages are written, so the kernel never
 reads a page to merge a partial write). The trailer is the ``RowHeader`` of
 ``row_format`` (format version, layout id, row length, xxh3 checksum) followed by the
-write's sequence number, a digest of its key and a magic: the row's header and row, as
+write's id (64 random bits), a digest of its key and a magic: the row's header and row, as
 ``DESIGN.md`` has them, with the header behind the row so the row lands page-aligned.
 
-**The index** (LMDB database ``slots``): ``namespace + key`` -> the write's sequence number,
-the row's length and its runs of pages. It is the only thing that makes a row exist, and it
-is committed after the row's pages are written (and ``fdatasync``\\ed, with ``sync``):
+**The index** (LMDB database ``slots``): ``namespace + key`` -> the write's id, its insertion
+sequence number, the row's length and its runs of pages. It is the only thing that makes a
+row exist, and it is committed after the row's pages are written (and ``fdatasync``\\ed, with ``sync``):
 
 - A process killed in a batch leaves the index of the last commit; the pages it was writing
   were free in that index, so no committed row is touched.
@@ -30,9 +30,9 @@ is committed after the row's pages are written (and ``fdatasync``\\ed, with ``sy
   wait for the readers of earlier epochs (the in-process analogue of LMDB's reader table;
   the directory lock makes this process the file's only user). The file therefore spans
   the capacity plus a batch or so: ``limit_bytes`` bounds it, and a batch that does not fit
-  fails whole, like a full map.
-- Every read checks the trailer against the index entry and the key: magic, sequence
-  number, key digest, length, format version and layout, then the checksum over the bytes
+  fails whole.
+- Every read checks the trailer against the index entry and the key: magic, write id,
+  key digest, length, format version and layout, then the checksum over the bytes
   copied into the caller's buffer. A torn row, flipped bytes, a page holding some other
   row (after an OS crash with ``sync=False``) or a foreign row is therefore never served.
 
@@ -72,9 +72,9 @@ DATA_FILES = (ROWS_FILE, LMDB_FILE)
 INDEX_DB = b"slots"
 PAGE = 4096
 SLOT_MAGIC = b"KVTSLOT1"
-_TAIL = struct.Struct("<QQ8s")  # after the RowHeader: sequence number, key digest, magic
+_TAIL = struct.Struct("<QQ8s")  # after the RowHeader: write id, key digest, magic
 TRAILER_BYTES = HEADER_BYTES + _TAIL.size
-_ENTRY = struct.Struct("<QQH")  # sequence number, row length, number of runs
+_ENTRY = struct.Struct("<QQQH")  # write id, insertion sequence number, row length, number of runs
 _RUN = struct.Struct("<QI")  # first page, page count
 _NODE_BYTES = 8 + 2  # LMDB's node header and its slot in the page's index
 _OLD_DBS = (b"rows", b"index")  # the format that kept rows inside LMDB
@@ -94,32 +94,37 @@ class ReadOutcome(Enum):
 class Read:
     outcome: ReadOutcome
     layout_id: bytes | None = None  # a hit's layout
-    seq: int | None = None  # the index entry read (to delete a corrupt row, and only that one)
+    write_id: int | None = None  # the write read (to delete a corrupt row, and only that one)
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One index entry: where a row is."""
+    """One index entry: where a row is, and which write put it there.
 
+    ``write_id`` is random, so no other write (of any key, namespace or earlier life of the
+    file) leaves a trailer that matches it; ``seq`` orders the policy at a restart.
+    """
+
+    write_id: int
     seq: int
     length: int
     runs: tuple[Run, ...]
 
     def pack(self) -> bytes:
-        head = _ENTRY.pack(self.seq, self.length, len(self.runs))
+        head = _ENTRY.pack(self.write_id, self.seq, self.length, len(self.runs))
         return head + b"".join(_RUN.pack(start, count) for start, count in self.runs)
 
     @classmethod
     def unpack(cls, value: bytes) -> Entry | None:
         if len(value) < _ENTRY.size:
             return None
-        seq, length, n = _ENTRY.unpack_from(value)
+        write_id, seq, length, n = _ENTRY.unpack_from(value)
         if len(value) != _ENTRY.size + n * _RUN.size:
             return None
         runs = tuple(_RUN.unpack_from(value, _ENTRY.size + i * _RUN.size) for i in range(n))
         if sum(count for _, count in runs) != pages_for(length):
             return None
-        return cls(seq, length, runs)
+        return cls(write_id, seq, length, runs)
 
 
 @dataclass(frozen=True)
@@ -297,10 +302,11 @@ class LmdbStore:
                 runs = self._alloc.allocate(pages)
                 if runs is None:
                     raise SpaceFull(pages, self._alloc.available())
-                staged.append((key, Entry(seq, len(row), tuple(runs))))
+                write_id = int.from_bytes(os.urandom(8), "little")
+                staged.append((key, Entry(write_id, seq, len(row), tuple(runs))))
             for (key, entry), (_, row, _) in zip(staged, puts, strict=True):
                 header = RowHeader(layout_id, len(row), _checksum(row)).pack()
-                trailer = header + _TAIL.pack(entry.seq, key_digest(key), SLOT_MAGIC)
+                trailer = header + _TAIL.pack(entry.write_id, key_digest(key), SLOT_MAGIC)
                 pad = _ZEROS[: -(len(row) + TRAILER_BYTES) % PAGE]
                 self._write_runs(entry.runs, [row, trailer, pad])
             if self.sync and staged:
@@ -347,13 +353,17 @@ class LmdbStore:
                 parts = _advance(parts, done)
 
     def delete_corrupt(self, found: Sequence[tuple[bytes, int]]) -> list[bytes]:
-        """Delete each ``(key, seq)`` still indexed as that write; the keys deleted.
+        """Delete each ``(key, write id)`` still indexed as that write; the keys deleted.
 
-        A key put again since the read that found it corrupt has a new sequence number,
-        and its sound row is kept.
+        A key put again since the read that found it corrupt is another write, and its
+        sound row is kept.
         """
         with self._lock:
-            keys = [key for key, seq in found if (e := self._entries.get(key)) is not None and e.seq == seq]
+            keys = [
+                key
+                for key, write_id in found
+                if (e := self._entries.get(key)) is not None and e.write_id == write_id
+            ]
         if keys:
             self.write(keys, [], b"")
         return keys
@@ -401,23 +411,23 @@ class LmdbStore:
             )
         except OSError as exc:
             log.warning("disk tier at %s: reading a row failed: %s", self.path, exc)
-            return Read(ReadOutcome.ERROR, seq=entry.seq)
+            return Read(ReadOutcome.ERROR, write_id=entry.write_id)
         header = RowHeader.unpack(trailer)
-        seq, digest, magic = _TAIL.unpack_from(trailer, HEADER_BYTES)
+        write_id, digest, magic = _TAIL.unpack_from(trailer, HEADER_BYTES)
         if (
             not complete
             or header is None
-            or (magic, seq, digest, header.row_length)
-            != (SLOT_MAGIC, entry.seq, key_digest(key), entry.length)
+            or (magic, write_id, digest, header.row_length)
+            != (SLOT_MAGIC, entry.write_id, key_digest(key), entry.length)
         ):
-            return Read(ReadOutcome.CORRUPT, seq=entry.seq)
+            return Read(ReadOutcome.CORRUPT, write_id=entry.write_id)
         if header.version != VERSION or header.layout_id not in layouts:
-            return Read(ReadOutcome.MISMATCH, seq=entry.seq)
+            return Read(ReadOutcome.MISMATCH, write_id=entry.write_id)
         if not fits:
-            return Read(ReadOutcome.WRONG_LENGTH, seq=entry.seq)
+            return Read(ReadOutcome.WRONG_LENGTH, write_id=entry.write_id)
         if _checksum(dst) != header.checksum:
-            return Read(ReadOutcome.CORRUPT, seq=entry.seq)
-        return Read(ReadOutcome.HIT, header.layout_id, entry.seq)
+            return Read(ReadOutcome.CORRUPT, write_id=entry.write_id)
+        return Read(ReadOutcome.HIT, header.layout_id, entry.write_id)
 
     def _read_runs(self, runs: Sequence[Run], buffers: list, skip: int) -> bool:
         """Fill ``buffers`` from the row's bytes from ``skip`` on; ``False`` if the file ends first."""

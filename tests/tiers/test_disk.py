@@ -297,7 +297,7 @@ async def test_a_corrupt_row_is_a_miss_and_is_deleted(tmp_path, where):
     elif where == "cut":  # the file ends inside the row
         os.truncate(path / ROWS_FILE, start + 10_000)
     else:  # the entry names pages that hold another key's sound row (stale after an OS crash)
-        set_entry(path, NS_A + bad, Entry(entries[bad].seq, 20_000, old.runs))
+        set_entry(path, NS_A + bad, Entry(entries[bad].write_id, entries[bad].seq, 20_000, old.runs))
     async with opened(path) as tier:
         out = buffers(keys, 20_000)
         hits = await tier.get(out)
