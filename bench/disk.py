@@ -101,7 +101,7 @@ class Bench:
         self.generation = 0  # the tier's keys of the current round
 
     def _tier(self) -> DiskTier:
-        # The rows of one round, plus the rounding of each row up to whole LMDB pages.
+        # The rows of one round, plus what each costs beyond its bytes (trailer page, index entry).
         capacity = self.s.rows * (self.s.row_bytes + 2 * 4096)
         return DiskTier(self.tier_path, capacity, NAMESPACE, LAYOUT_ID, sync=self.sync)
 
