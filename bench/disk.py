@@ -1,13 +1,14 @@
 """``kvtier bench disk``: row write and read GB/s through the disk tier vs plain file I/O.
 
-The same bytes go two ways in the same run: through ``DiskTier`` (LMDB, one transaction
-per batch, a header and checksum per row, evicting as it goes) and through a plain file
-(``pwritev`` of each batch, sequential ``readv``), with the same fsync policy: ``fsync``
-flushes every batch to the device on both sides (a commit with ``sync=True``;
+The same bytes go two ways in the same run: through ``DiskTier`` (each row written to its
+pages of the rows file with its checksummed trailer, one LMDB index commit per batch,
+evicting as it goes; reads verify every row) and through a plain file (``pwritev`` of each
+batch, sequential ``readv``), with the same fsync policy: ``fsync`` flushes every batch to
+the device on both sides (``fdatasync`` of the rows file and a synced LMDB commit;
 ``fdatasync`` for the file), ``nosync`` flushes neither. Rows are Llama-3-8B-shaped KV
 blocks by default (32 layers x K,V x 16 tokens x 8 KV heads x head dim 128, bf16: 2 MiB).
 
-Page cache: every write and every "cold" read starts with its own file flushed and dropped
+Page cache: every write and every "cold" read starts with its own files flushed and dropped
 from the page cache (``POSIX_FADV_DONTNEED``, the tier closed so no mapping pins pages),
 on both sides alike; a disk tier is larger than RAM, so what it writes over and reads back
 is mostly not cached. A "warm" read follows the cold one, everything cached: it shows the
@@ -37,12 +38,16 @@ import uvloop
 
 from bench.report import write_json
 from tiers.disk import DiskTier
-from tiers.lmdb_store import DATA_FILE
+from tiers.lmdb_store import DATA_FILES
 
 ROW_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # layers x (K, V) x tokens x KV heads x head dim x bf16
 NAMESPACE = bytes(range(16))
 LAYOUT_ID = bytes(range(16, 32))
 TARGET = 0.7
+MEASURED = (
+    "DiskTier.put/get of whole batches (rows file + LMDB index, every row checksummed on write "
+    "and verified on read, evicting the previous round's rows) vs plain pwritev/readv"
+)
 
 Op = Callable[[], Awaitable[float]]
 
@@ -88,7 +93,7 @@ class Bench:
         self.total = setup.rows * setup.row_bytes
         self.plain_path = os.path.join(setup.workdir, "plain.bin")
         self.tier_path = os.path.join(setup.workdir, "tier")
-        self.tier_data = os.path.join(self.tier_path, DATA_FILE)
+        self.tier_files = [os.path.join(self.tier_path, name) for name in DATA_FILES]
         self.src = bytearray(os.urandom(setup.batch * setup.row_bytes))
         self.dst = bytearray(setup.batch * setup.row_bytes)
         self.src_rows = _rows(self.src, setup.row_bytes)
@@ -96,7 +101,7 @@ class Bench:
         self.generation = 0  # the tier's keys of the current round
 
     def _tier(self) -> DiskTier:
-        # The rows of one round, plus the rounding of each row up to whole LMDB pages.
+        # The rows of one round, plus what each costs beyond its bytes (trailer page, index entry).
         capacity = self.s.rows * (self.s.row_bytes + 2 * 4096)
         return DiskTier(self.tier_path, capacity, NAMESPACE, LAYOUT_ID, sync=self.sync)
 
@@ -142,8 +147,7 @@ class Bench:
         return elapsed
 
     async def tier_write(self) -> float:
-        if os.path.exists(self.tier_data):
-            drop_cache(self.tier_data)
+        self._drop_tier_cache()
         self.generation += 1
         tier = self._tier()
         await tier.open()
@@ -159,7 +163,7 @@ class Bench:
 
     async def tier_read(self, cold: bool) -> float:
         if cold:
-            drop_cache(self.tier_data)
+            self._drop_tier_cache()
         tier = self._tier()
         await tier.open()  # rebuilds the index (no row is read): not part of the timing
         try:
@@ -173,6 +177,11 @@ class Bench:
             await tier.close()
         self._check_dst()
         return elapsed
+
+    def _drop_tier_cache(self) -> None:
+        for path in self.tier_files:  # the rows file and the LMDB index
+            if os.path.exists(path):
+                drop_cache(path)
 
     def _check_dst(self) -> None:
         """The last batch read holds the bytes written (every batch wrote the same rows)."""
@@ -251,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         size = f"{args.rows} rows x {args.row_bytes / 2**20:g} MiB ({gib:.2f} GiB)"
         where = f"{workdir} on {fstype}, {os.cpu_count()} CPUs, {platform.machine()}"
         print(f"{size} per pass, {args.batch} rows per batch, {args.rounds} rounds; {where}")
+        print(f"measured: {MEASURED}; medians")
         setup = Setup(args.rows, args.row_bytes, args.batch, args.rounds, workdir)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             for sync in policies:
@@ -269,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         payload = {
             "command": command,
+            "measured": MEASURED,
             "baseline": "plain sequential pwritev/readv of the same bytes, same run, same fsync policy",
-            "page_cache": "writes and cold reads start with their file fsynced and dropped (DONTNEED)",
+            "page_cache": "writes and cold reads start with their files fsynced and dropped (DONTNEED)",
+            "statistic": "median over rounds; the two sides alternate who goes first",
             "headline_policy": headline,
             "write_ratio": results[headline].write_ratio,
             "read_ratio": results[headline].read_ratio,

@@ -1,40 +1,43 @@
-"""The disk tier: rows in one LMDB file, persistent across restarts, checksummed, bounded.
+"""The disk tier: rows in a local file, persistent across restarts, checksummed, bounded.
 
-Key: ``namespace + block key``. Value: the 40-byte ``RowHeader`` (format version, layout
-id, row length, xxh3 checksum) followed by the row. A row is served only when its header
-matches this tier's layout and its checksum matches the bytes copied out; a torn, flipped
-or foreign value is a miss, never garbage (a corrupt one is deleted and counted).
+Files (``lmdb_store``): the rows in a plain rows file, each written with one ``pwritev``
+straight from the host row and followed by its 64-byte trailer (the ``RowHeader``: format
+version, layout id, row length, xxh3 checksum; then a random id of the write and a key
+digest); an LMDB index, ``namespace + block key`` -> where the row is, committed after the
+row is written. A row is served only when its trailer matches its index entry, its key
+and a layout this tier reads, and its checksum matches the bytes copied out; a torn,
+flipped, stale or foreign row is a miss, never garbage (a corrupt one is deleted and
+counted).
 
-Threading (see ``LowerTier``): the coroutines run on the tier engine's event loop; LMDB
-work runs on executor threads the tier owns. Every write (a ``put`` batch, a ``delete``, the
-removal of a corrupt row) runs on **one** writer thread, in submission order, so there is
-one write transaction at a time and the in-memory index changes in the order the file
-does. Reads run on a small reader pool, each chunk of a ``get`` in its own read transaction
-(LMDB readers never block the writer, nor each other). The bookkeeping (``DiskIndex``:
-key -> bytes, and the eviction policy) is shared by those threads under one mutex, held
-only for bookkeeping, never across I/O; ``may_contain`` and ``stats`` read without it.
+Threading (see ``LowerTier``): the coroutines run on the tier engine's event loop; file and
+LMDB work runs on executor threads the tier owns. Every write (a ``put`` batch, a
+``delete``, the removal of a corrupt row) runs on **one** writer thread, in submission
+order, so there is one commit at a time and the in-memory index changes in the order the
+files do. Reads run on a small reader pool, each chunk of a ``get`` on its own thread; a
+read never blocks the writer, and pages a commit frees are not reused while a read that
+began before it runs. The bookkeeping (``DiskIndex``: key -> bytes, and the eviction
+policy) is shared by those threads under one mutex, held only for bookkeeping, never across
+I/O; ``may_contain`` and ``stats`` read without it.
 
 A cancelled ``put``/``get``/``delete`` coroutine does not cancel the executor work it
 started: a batch is committed (or not) and booked as a whole, and a ``get`` may still write
 into its buffers until its read finishes, so the caller keeps those slots until then.
 
-Capacity: ``capacity_bytes`` bounds the bytes the file spends on this namespace's rows
-(``lmdb_store.entry_bytes``: overflow pages exactly, B-tree leaf nodes estimated), less any
-rows of other namespaces found in the file (they are never served, never evicted by this
-tier, and counted in ``stats()``). The eviction policy (any of ``policies/``) chooses
-victims; they are deleted in the same transaction that stores the batch needing the room.
+Capacity: ``capacity_bytes`` bounds the bytes this namespace's rows cost
+(``lmdb_store.entry_bytes``: whole pages of the rows file, and the index entry estimated),
+less any rows of other namespaces found in the files (they are never served, never evicted
+by this tier, and counted in ``stats()``). The eviction policy (any of ``policies/``)
+chooses victims; they are deleted in the same commit that stores the batch needing the room.
 
-The LMDB map is ``capacity + margin``. The margin is what LMDB needs beyond the rows: its
-B-tree and free-list pages, and the pages of the last two transactions (copy-on-write:
-pages freed by a commit are reused only once no snapshot can see them, so a batch's new
-rows and the rows it evicts, and the previous batch's, coexist for a moment). The default,
-``capacity // 16 + 64 MiB`` (1 GiB for a 15 GiB tier), holds batches of a few hundred MiB;
-a batch that does not fit fails with ``MapFullError``: its stores are dropped and counted,
-nothing else changes.
+The rows file may span ``capacity + margin``. The margin holds the pages that are free but
+not yet reusable: those of the rows a batch evicts (reused from the next batch on) and those
+a running read still sees. The default, ``capacity // 16 + 64 MiB`` (1 GiB for a 15 GiB
+tier), holds batches of a few hundred MiB; a batch that does not fit fails whole: its stores
+are dropped and counted, nothing else changes. The LMDB index has a map of the same size.
 
-Restart: the index is rebuilt at ``open`` from LMDB's small ``index`` database (value
-lengths and insertion order; no row is read), so a restart is warm, and the policy is
-re-populated in insertion order (hits are not persisted: that would cost a write per hit).
+Restart: the index is read at ``open`` (no row is read), so a restart is warm, and the
+policy is re-populated in insertion order (hits are not persisted: that would cost a write
+per hit).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ from policies import make_policy
 from tiers.base import LowerTier, Row, TierError
 from tiers.dir_lock import DirLock
 from tiers.disk_index import DiskIndex
-from tiers.lmdb_store import LmdbStore, ReadOutcome, entry_bytes
-from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES
+from tiers.lmdb_store import LmdbStore, Read, ReadOutcome, entry_bytes
+from tiers.row_format import LAYOUT_ID_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +82,24 @@ _COUNTERS = (
 _MISMATCHED = (ReadOutcome.MISMATCH, ReadOutcome.WRONG_LENGTH)
 
 
-def default_map_margin(capacity_bytes: int) -> int:
-    """LMDB's room beyond the rows (see the module docstring)."""
+def default_file_margin(capacity_bytes: int) -> int:
+    """The rows file's room beyond the capacity (see the module docstring)."""
     return capacity_bytes // 16 + 64 * _MiB
 
 
 class DiskTier(LowerTier):
-    """Rows of one namespace and layout in an LMDB environment at directory ``path``.
+    """Rows of one namespace and layout in directory ``path`` (rows file and LMDB index).
 
     ``sync``: whether each commit is flushed to the device (``fsync``) before ``put``
-    returns. Either way a commit is atomic and a *process* crash (SIGKILL included) never
-    loses a committed batch, nor leaves a partial one: the data is in the kernel's page
-    cache and LMDB's meta page is written last. Only an OS crash or power loss can lose the
-    batches committed since the last flush with ``sync=False`` (the file stays consistent).
+    returns (the rows file, then LMDB's commit). Either way a commit is atomic and a
+    *process* crash (SIGKILL included) never loses a committed batch, nor leaves a partial
+    one: the rows are in the kernel's page cache before the index names them. Only an OS
+    crash or power loss can lose the batches committed since the last flush with
+    ``sync=False``; what it leaves is still never served wrong (the trailer and checksum).
 
     ``eviction``/``eviction_params``: any policy of ``policies/`` (``make_policy``).
-    ``map_margin_bytes``: LMDB's room beyond the capacity (default ``default_map_margin``).
+    ``file_margin_bytes``: the rows file's room beyond the capacity (default
+    ``default_file_margin``).
     ``row_bytes``: the usual row size, to size the policy in rows from the start (ARC,
     S3-FIFO and W-TinyLFU size their segments from it); by default it is learned from the
     rows found at open, or the first row stored. ``read_threads``: the reader pool's size.
@@ -112,7 +117,7 @@ class DiskTier(LowerTier):
         eviction: str = "lru",
         eviction_params: dict[str, Any] | None = None,
         sync: bool = False,
-        map_margin_bytes: int | None = None,
+        file_margin_bytes: int | None = None,
         row_bytes: int | None = None,
         read_threads: int = 4,
         readable_layouts: Collection[bytes] = (),
@@ -125,9 +130,9 @@ class DiskTier(LowerTier):
             raise ValueError(f"disk tier layout id must be {LAYOUT_ID_BYTES} bytes, got {layout_id!r}")
         if read_threads < 1:
             raise ValueError(f"disk tier read_threads must be >= 1, got {read_threads!r}")
-        margin = default_map_margin(capacity_bytes) if map_margin_bytes is None else map_margin_bytes
+        margin = default_file_margin(capacity_bytes) if file_margin_bytes is None else file_margin_bytes
         if margin < 0:
-            raise ValueError(f"disk tier map_margin_bytes must be >= 0, got {map_margin_bytes!r}")
+            raise ValueError(f"disk tier file_margin_bytes must be >= 0, got {file_margin_bytes!r}")
         self.eviction = eviction
         self.eviction_params = dict(eviction_params or {})
         make_policy(eviction, 1, **self.eviction_params)  # a bad name or parameter fails here, not at open
@@ -139,8 +144,8 @@ class DiskTier(LowerTier):
         self.sync = sync
         self.row_bytes = row_bytes
         self.read_threads = read_threads
-        self.map_size = -(-(capacity_bytes + margin) // _MiB) * _MiB
-        self._store = LmdbStore(self.path, self.map_size, sync=sync)
+        self.file_limit = -(-(capacity_bytes + margin) // _MiB) * _MiB
+        self._store = LmdbStore(self.path, self.file_limit, default_file_margin(capacity_bytes), sync=sync)
         self._dir_lock = DirLock(self.path)
         self._index = self._new_index()
         self._foreign_rows = 0
@@ -150,12 +155,10 @@ class DiskTier(LowerTier):
         self._readers: ThreadPoolExecutor | None = None
         self._warned: set[str] = set()
 
-    def _new_index(self, page_size: int = 4096) -> DiskIndex:
+    def _new_index(self) -> DiskIndex:
         row_entry = None
         if self.row_bytes is not None:
-            row_entry = entry_bytes(
-                NAMESPACE_BYTES + OFFLOAD_KEY_BYTES, HEADER_BYTES + self.row_bytes, page_size
-            )
+            row_entry = entry_bytes(NAMESPACE_BYTES + OFFLOAD_KEY_BYTES, self.row_bytes)
         return DiskIndex(self.capacity_bytes, self.eviction, self.eviction_params, row_entry)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -182,7 +185,7 @@ class DiskTier(LowerTier):
         self._dir_lock.acquire()
         self._store.open()
         own, self._foreign_rows, self._foreign_bytes = self._store.scan(self.namespace)
-        index = self._new_index(self._store.page_size)  # a reopened tier starts from the file
+        index = self._new_index()  # a reopened tier starts from the file
         index.load([(entry.key, entry.size, entry.seq) for entry in own], self._foreign_bytes)
         self._index = index
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -196,12 +199,12 @@ class DiskTier(LowerTier):
             )
         self._shrink_to_capacity()
         log.info(
-            "disk tier at %s: %d rows, %.1f of %.1f MiB, map %.1f MiB, sync=%s, eviction=%s",
+            "disk tier at %s: %d rows, %.1f of %.1f MiB, rows file up to %.1f MiB, sync=%s, eviction=%s",
             self.path,
             len(index),
             index.used / _MiB,
             self.capacity_bytes / _MiB,
-            self.map_size / _MiB,
+            self.file_limit / _MiB,
             self.sync,
             self.eviction,
         )
@@ -214,7 +217,7 @@ class DiskTier(LowerTier):
             return
         try:
             self._store.write([self.namespace + key for key in victims], [], self.layout_id)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             raise TierError(f"disk tier at {self.path!r}: cannot shrink to the capacity: {exc}") from exc
         with self._index.mutex:
             self._index.book([], [], victims)
@@ -252,7 +255,7 @@ class DiskTier(LowerTier):
             rows=len(self._index),
             bytes=self._index.used,
             capacity_bytes=self.capacity_bytes,
-            map_size=self.map_size,
+            file_limit=self.file_limit,
             foreign_rows=self._foreign_rows,
             foreign_bytes=self._foreign_bytes,
         )
@@ -271,10 +274,9 @@ class DiskTier(LowerTier):
         return await self._on_writer(self._put_blocking, batch)
 
     def _put_blocking(self, rows: list[tuple[bytes, memoryview]]) -> list[bool]:
-        page = self._store.page_size
         max_key = self._store.env.max_key_size() - NAMESPACE_BYTES
         sizes = [
-            (key, entry_bytes(NAMESPACE_BYTES + len(key), HEADER_BYTES + len(row), page))
+            (key, entry_bytes(NAMESPACE_BYTES + len(key), len(row)))
             for key, row in rows
             if 0 < len(key) <= max_key
         ]
@@ -290,7 +292,7 @@ class DiskTier(LowerTier):
                     [(self.namespace + keys[row.index], views[row.index], row.seq) for row in planned],
                     self.layout_id,
                 )
-            except lmdb.Error as exc:
+            except (lmdb.Error, OSError) as exc:
                 with self._index.mutex:
                     self._index.undo(victims, used_before)
                     self._counters["write_errors"] += 1
@@ -319,7 +321,7 @@ class DiskTier(LowerTier):
             return
         try:
             self._store.write([self.namespace + key for key in present], [], self.layout_id)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1
             self._warn_once(
@@ -354,63 +356,61 @@ class DiskTier(LowerTier):
             readers = self._pool(self._readers)
             step = -(-len(wanted) // min(self.read_threads, len(wanted)))
             chunks = [wanted[at : at + step] for at in range(0, len(wanted), step)]
-            served: list[bytes | None] = [None] * len(rows)
-            outcomes = await asyncio.gather(
-                *(loop.run_in_executor(readers, self._read_blocking, chunk, served) for chunk in chunks)
+            chunk_reads = await asyncio.gather(
+                *(loop.run_in_executor(readers, self._read_blocking, chunk) for chunk in chunks)
             )
-            corrupt: list[bytes] = []
-            for chunk, chunk_outcomes in zip(chunks, outcomes, strict=True):
-                for (i, key, _), outcome in zip(chunk, chunk_outcomes, strict=True):
-                    results[i] = outcome is ReadOutcome.HIT
+            corrupt: list[tuple[bytes, int]] = []
+            for chunk, reads in zip(chunks, chunk_reads, strict=True):
+                for (i, key, _), read in zip(chunk, reads, strict=True):
+                    results[i] = read.outcome is ReadOutcome.HIT
                     if layouts is not None:
-                        layouts[i] = served[i]
-                    if outcome is ReadOutcome.CORRUPT:
-                        corrupt.append(key)
+                        layouts[i] = read.layout_id
+                    if read.outcome is ReadOutcome.CORRUPT and read.write_id is not None:
+                        corrupt.append((key, read.write_id))
             if corrupt:
                 await self._on_writer(self._drop_corrupt_blocking, corrupt)
         with self._index.mutex:
             self._counters["misses"] += misses
         return results
 
-    def _read_blocking(
-        self, chunk: list[tuple[int, bytes, memoryview]], served: list[bytes | None]
-    ) -> list[ReadOutcome]:
-        chunk_served: list[bytes | None] = [None] * len(chunk)
+    def _read_blocking(self, chunk: list[tuple[int, bytes, memoryview]]) -> list[Read]:
         try:
-            outcomes = self._store.read_into(
-                [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts, chunk_served
+            reads = self._store.read_into(
+                [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts
             )
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["read_errors"] += 1
                 self._counters["misses"] += len(chunk)
             self._warn_once("read", "disk tier at %s: a read of %d rows failed: %s", exc, len(chunk))
-            return [ReadOutcome.ERROR] * len(chunk)
-        for (i, _, _), layout in zip(chunk, chunk_served, strict=True):
-            served[i] = layout
+            return [Read(ReadOutcome.ERROR)] * len(chunk)
         with self._index.mutex:
-            hits = [key for (_, key, _), out in zip(chunk, outcomes, strict=True) if out is ReadOutcome.HIT]
+            hits = [key for (_, key, _), r in zip(chunk, reads, strict=True) if r.outcome is ReadOutcome.HIT]
             self._index.hit(reversed(hits))  # tail first, as the policy contract asks
             self._counters["hits"] += len(hits)
-            for outcome in outcomes:
-                if outcome is not ReadOutcome.HIT:
+            for read in reads:
+                if read.outcome is not ReadOutcome.HIT:
                     self._counters["misses"] += 1
-                    self._counters["mismatched"] += outcome in _MISMATCHED
-                    self._counters["read_errors"] += outcome is ReadOutcome.ERROR
-        for (_, key, _), outcome in zip(chunk, outcomes, strict=True):
-            if outcome is ReadOutcome.CORRUPT:
+                    self._counters["mismatched"] += read.outcome in _MISMATCHED
+                    self._counters["read_errors"] += read.outcome is ReadOutcome.ERROR
+        for (_, key, _), read in zip(chunk, reads, strict=True):
+            if read.outcome is ReadOutcome.CORRUPT:
                 log.warning(
                     "disk tier at %s: corrupt row %s (checksum or header), deleting it", self.path, key.hex()
                 )
-        return outcomes
+        return reads
 
-    def _drop_corrupt_blocking(self, keys: list[bytes]) -> None:
+    def _drop_corrupt_blocking(self, found: list[tuple[bytes, int]]) -> None:
         try:
-            deleted = self._store.delete_corrupt([self.namespace + key for key in keys], self.layouts)
-        except lmdb.Error as exc:
+            deleted = self._store.delete_corrupt(
+                [(self.namespace + key, write_id) for key, write_id in found]
+            )
+        except (lmdb.Error, OSError) as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1
-            self._warn_once("corrupt", "disk tier at %s: deleting %d corrupt rows failed: %s", exc, len(keys))
+            self._warn_once(
+                "corrupt", "disk tier at %s: deleting %d corrupt rows failed: %s", exc, len(found)
+            )
             return
         with self._index.mutex:
             self._index.forget([key[NAMESPACE_BYTES:] for key in deleted])

@@ -7,6 +7,7 @@ from offload.api import Offloader
 from offload.keys import make_key
 from tests.offload.layouts import per_layer_blocks_first, scramble
 from tiers.base import TierError
+from tiers.lmdb_store import ROWS_FILE
 
 
 def keys_for(prefix: str, n: int) -> list[bytes]:
@@ -137,7 +138,7 @@ def test_a_flipped_byte_on_disk_is_a_miss_and_loads_nothing(tmp_path, layout):
         offloader.store(keys, [0])
         offloader.wait()
         offloader.wait_tiers()
-    data_file = tmp_path / "disk" / "data.mdb"
+    data_file = tmp_path / "disk" / ROWS_FILE
     data = bytearray(data_file.read_bytes())
     where = data.find(stored_row[:64])
     assert where >= 0 and data.count(stored_row[:64]) == 1

@@ -1,8 +1,9 @@
 """The disk tier: round trips, restarts, namespaces, eviction, and its failures.
 
-Failures are made for real: values corrupted through LMDB itself, a map too small for a
-batch, a file-size limit standing in for a full disk, a directory locked by another
-process, and a writer process SIGKILLed in the middle of its batches.
+Failures are made for real: bytes flipped or cut in the rows file, index entries edited
+through LMDB itself, a rows file too small for a batch, a file-size limit standing in for a
+full disk, a directory locked by another process, and a writer process SIGKILLed in the
+middle of its batches.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import pytest
 from tests.tiers import disk_writer_child as child
 from tiers.base import TierError
 from tiers.disk import DiskTier
-from tiers.lmdb_store import DATA_FILE, INDEX_DB, ROWS_DB
+from tiers.lmdb_store import INDEX_DB, PAGE, ROWS_FILE, SLOT_MAGIC, TRAILER_BYTES, Entry
+from tiers.row_format import RowHeader
 
 NS_A = b"A" * 16
 NS_B = b"B" * 16
@@ -50,14 +52,43 @@ def buffers(keys: list[bytes], n: int) -> list[tuple[bytes, memoryview]]:
     return [(k, memoryview(bytearray(n))) for k in keys]
 
 
-def raw_keys(path: Path, db: bytes) -> set[bytes]:
-    """The keys LMDB holds in ``db``, read without the tier (after it is closed)."""
-    env = lmdb.open(str(path), max_dbs=2, readonly=True, lock=False)
+def raw_keys(path: Path) -> set[bytes]:
+    """The keys of the LMDB index, read without the tier (after it is closed)."""
+    env = lmdb.open(str(path), max_dbs=3, readonly=True, lock=False)
     try:
-        with env.begin(db=env.open_db(db, create=False)) as txn:
+        with env.begin(db=env.open_db(INDEX_DB, create=False)) as txn:
             return set(txn.cursor().iternext(values=False))
     finally:
         env.close()
+
+
+def entry_of(path: Path, full_key: bytes) -> Entry:
+    """Where the index says a row is (``namespace + key``), read without the tier."""
+    env = lmdb.open(str(path), max_dbs=3, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(INDEX_DB, create=False)) as txn:
+            entry = Entry.unpack(txn.get(full_key))
+    finally:
+        env.close()
+    assert entry is not None
+    return entry
+
+
+def set_entry(path: Path, full_key: bytes, entry: Entry) -> None:
+    env = lmdb.open(str(path), max_dbs=3)
+    try:
+        with env.begin(write=True, db=env.open_db(INDEX_DB)) as txn:
+            txn.put(full_key, entry.pack())
+    finally:
+        env.close()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path / ROWS_FILE, "r+b") as f:  # bit rot under the tier's feet
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
 
 
 @contextlib.asynccontextmanager
@@ -71,7 +102,15 @@ async def opened(path: Path, namespace: bytes = NS_A, layout: bytes = LAYOUT, **
 
 
 async def test_round_trip_is_byte_exact_for_every_size(tmp_path):
-    sizes = [0, 1, 100, 2000, 4096, 9000, 300_000]  # empty, in-leaf, at the edge, overflow pages
+    sizes = [
+        0,
+        1,
+        100,
+        4032,
+        4033,
+        9000,
+        300_000,
+    ]  # empty, small, a page with its trailer and one byte more, many pages
     keys = [key(i, group) for group, _ in enumerate(sizes) for i in range(3)]
     async with opened(tmp_path / "t") as tier:
         for group, size in enumerate(sizes):
@@ -156,7 +195,8 @@ async def test_eviction_keeps_the_file_within_capacity(tmp_path, policy):
         stats = tier.stats()
         resident = {k for k in (key(i) for i in range(40)) if tier.may_contain(k)}
     assert stats["rows"] == len(resident) == 40 - stats["evictions"] and stats["rows"] >= 8
-    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + k for k in resident}
+    assert raw_keys(path) == {NS_A + k for k in resident}
+    assert os.path.getsize(path / ROWS_FILE) <= stats["file_limit"]  # freed pages are reused
 
 
 async def test_lru_eviction_follows_the_policy_and_spares_hits(tmp_path):
@@ -189,7 +229,7 @@ async def test_rows_evicted_for_a_row_that_then_does_not_fit_are_deleted_too(tmp
         assert await tier.put(batch) == [True, False]
         assert [tier.may_contain(k) for k in (x, y, z, w)] == [False, False, True, False]
         assert tier.stats()["evictions"] == 2 and tier.stats()["dropped"] == 1
-    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + z}
+    assert raw_keys(path) == {NS_A + z}
 
 
 async def test_random_operations_agree_with_a_model(tmp_path):
@@ -229,99 +269,134 @@ async def test_random_operations_agree_with_a_model(tmp_path):
     resident = {k for k in latest if tier.may_contain(k)}
     assert tier.stats()["rows"] == len(resident) > 0 and tier.stats()["corrupt"] == 0
     await tier.close()
-    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + k for k in resident}
+    assert raw_keys(path) == {NS_A + k for k in resident}
 
 
-@pytest.mark.parametrize("where", ["row", "header", "truncated"])
-async def test_a_corrupt_value_is_a_miss_and_is_deleted(tmp_path, where):
+@pytest.mark.parametrize("where", ["row", "header", "torn", "cut", "stale"])
+async def test_a_corrupt_row_is_a_miss_and_is_deleted(tmp_path, where):
     path = tmp_path / "t"
     keys = [key(1), key(2)]
     async with opened(path) as tier:
+        assert all(await tier.put(rows([key(3)], 20_000)))
+    old = entry_of(path, NS_A + key(3))
+    async with opened(path) as tier:
         assert all(await tier.put(rows(keys, 20_000)))
-    env = lmdb.open(str(path), max_dbs=2)
-    with env.begin(write=True, db=env.open_db(ROWS_DB)) as txn:
-        value = bytearray(txn.get(NS_A + keys[0]))
-        if where == "row":
-            value[40 + 12_345] ^= 0x10
-        elif where == "header":
-            value[0] ^= 0x01  # the magic
-        else:
-            del value[-100:]
-        txn.put(NS_A + keys[0], bytes(value))
-    env.close()
+        await tier.delete([key(3)])  # its pages still hold its sound row, which no entry names
+    entries = {k: entry_of(path, NS_A + k) for k in keys}
+    bad = max(keys, key=lambda k: entries[k].runs[0])  # the last row of the file
+    good = next(k for k in keys if k != bad)
+    start = entries[bad].runs[0][0] * PAGE
+    if where == "row":
+        flip_byte(path, start + 12_345)
+    elif where == "header":
+        flip_byte(path, start + 20_000)  # the trailer's magic, behind the row
+    elif where == "torn":  # a write cut short: the first half new, the rest the old row
+        with open(path / ROWS_FILE, "r+b") as f:
+            f.seek(start + 10_000)
+            f.write(bytes(10_000 + TRAILER_BYTES))
+    elif where == "cut":  # the file ends inside the row
+        os.truncate(path / ROWS_FILE, start + 10_000)
+    else:  # the entry names pages that hold another key's sound row (stale after an OS crash)
+        set_entry(path, NS_A + bad, Entry(entries[bad].write_id, entries[bad].seq, 20_000, old.runs))
     async with opened(path) as tier:
         out = buffers(keys, 20_000)
-        assert await tier.get(out) == [False, True]
-        assert bytes(out[1][1]) == content(keys[1], 20_000)
+        hits = await tier.get(out)
+        assert hits == [k == good for k in keys]
+        assert bytes(dict(out)[good]) == content(good, 20_000)
         stats = tier.stats()
         assert stats["corrupt"] == 1 and stats["rows"] == 1
-        assert not tier.may_contain(keys[0]) and await tier.contains(keys) == [False, True]
-        assert await tier.get(buffers(keys[:1], 20_000)) == [False]
+        assert not tier.may_contain(bad) and await tier.contains([bad, good]) == [False, True]
+        assert await tier.get(buffers([bad], 20_000)) == [False]
         assert tier.stats()["corrupt"] == 1  # counted once: the row is gone
-    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + keys[1]}
+        assert all(await tier.put(rows([key(4)], 20_000)))  # its pages are usable again
+        out = buffers([good, key(4)], 20_000)
+        assert all(await tier.get(out)) and bytes(out[1][1]) == content(key(4), 20_000)
+    assert raw_keys(path) == {NS_A + good, NS_A + key(4)}
 
 
-def overflow_page(tier: DiskTier, k: bytes) -> int | None:
-    """Where the tier's reader finds ``k``'s value (its first overflow page), as it reads."""
-    store = tier._store
-    with store.env.begin(db=store._rows, buffers=True) as txn:
-        found = store._find(txn.cursor(), NS_A + k)
-    assert found is not None
-    return found[1]
-
-
-async def test_large_rows_are_read_at_their_file_offset(tmp_path, caplog):
+async def test_a_row_lies_in_its_pages_with_its_header_behind_it(tmp_path):
     path = tmp_path / "t"
     async with opened(path) as tier:
         await tier.put(rows([key(1)], 300_000) + rows([key(2)], 100))
-        page = overflow_page(tier, key(1))
-        assert page is not None and overflow_page(tier, key(2)) is None  # a small row has none
-        out = buffers([key(1)], 300_000)
-        assert await tier.get(out) == [True] and bytes(out[0][1]) == content(key(1), 300_000)
-    assert "reading through LMDB" not in caplog.text
-    with open(path / DATA_FILE, "rb") as f:  # the row really is there, after the page header
-        f.seek(page * 4096 + 16 + 40)
-        assert f.read(300_000) == content(key(1), 300_000)
+    entry = entry_of(path, NS_A + key(1))
+    assert entry.length == 300_000 and sum(n for _, n in entry.runs) == -(-(300_000 + TRAILER_BYTES) // PAGE)
+    ((start, count),) = entry.runs  # rows of one batch land in one run each
+    with open(path / ROWS_FILE, "rb") as f:
+        f.seek(start * PAGE)
+        slot = f.read(count * PAGE)
+    assert slot[:300_000] == content(key(1), 300_000)  # page-aligned, as the host row
+    header = RowHeader.unpack(slot[300_000:])
+    assert header is not None and (header.layout_id, header.row_length) == (LAYOUT, 300_000)
+    assert slot[300_000 + TRAILER_BYTES - 8 : 300_000 + TRAILER_BYTES] == SLOT_MAGIC
+    assert slot[300_000 + TRAILER_BYTES :] == bytes(len(slot) - 300_000 - TRAILER_BYTES)  # whole pages
 
 
-async def test_a_wrong_offset_falls_back_to_reading_through_lmdb(tmp_path, monkeypatch, caplog):
-    async with opened(tmp_path / "t") as tier:
-        await tier.put(rows([key(1), key(2)], 300_000))
-        real = type(tier._store)._locate
+async def test_a_read_of_a_row_keeps_its_pages_from_reuse_until_it_ends(tmp_path, monkeypatch):
+    """A row deleted (or evicted) while a read of it runs: its pages are not written over."""
+    import threading
 
-        def off_by_one(self, k):
-            length, page = real(self, k)
-            return length, page + 1
+    path = tmp_path / "t"
+    async with opened(path, read_threads=1) as tier:
+        await tier.put(rows([key(1)], 50_000))
+        store = type(tier._store)
+        real = store._read_runs
+        reading, release = threading.Event(), threading.Event()
 
-        monkeypatch.setattr(type(tier._store), "_locate", off_by_one)
-        out = buffers([key(1), key(2)], 300_000)
-        assert await tier.get(out) == [True, True]
-        assert [bytes(b) for _, b in out] == [content(k, 300_000) for k in (key(1), key(2))]
-    assert "unexpected overflow page" in caplog.text
+        def slow_read(self, runs, bufs, skip):
+            reading.set()
+            assert release.wait(10)
+            return real(self, runs, bufs, skip)
+
+        monkeypatch.setattr(store, "_read_runs", slow_read)
+        out = buffers([key(1)], 50_000)
+        read = asyncio.ensure_future(tier.get(out))
+        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+        await tier.delete([key(1)])
+        await tier.put(rows([key(2)], 50_000))  # the same size: it would take those pages
+        release.set()
+        assert await read == [True] and bytes(out[0][1]) == content(key(1), 50_000)
+        monkeypatch.setattr(store, "_read_runs", real)
+        await tier.put(rows([key(3)], 50_000))  # now they are free: reused
+        got = buffers([key(2), key(3)], 50_000)
+        assert await tier.get(got) == [True, True]
+    first, second = entry_of(path, NS_A + key(2)).runs, entry_of(path, NS_A + key(3)).runs
+    assert first[0][0] > 0 and second[0][0] == 0  # key(1)'s pages went to key(3), not key(2)
 
 
 async def test_bytes_flipped_in_the_file_are_caught_by_the_checksum(tmp_path):
     path = tmp_path / "t"
     async with opened(path) as tier:
         await tier.put(rows([key(1), key(2)], 300_000))
-        page = overflow_page(tier, key(1))
-    assert page is not None
-    with open(path / DATA_FILE, "r+b") as f:  # bit rot under LMDB's feet
-        f.seek(page * 4096 + 16 + 40 + 123_456)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x01]))
+    flip_byte(path, entry_of(path, NS_A + key(1)).runs[0][0] * PAGE + 123_456)
     async with opened(path) as tier:
         out = buffers([key(1), key(2)], 300_000)
         assert await tier.get(out) == [False, True]
         assert tier.stats()["corrupt"] == 1 and not tier.may_contain(key(1))
-    assert raw_keys(path, ROWS_DB) == {NS_A + key(2)}
+    assert raw_keys(path) == {NS_A + key(2)}
 
 
-async def test_map_full_drops_the_batch_and_the_tier_goes_on(tmp_path):
-    # A map with no margin: the first batch fits, but replacing all of it in one
-    # transaction needs the old and the new pages at once (copy-on-write).
-    async with opened(tmp_path / "t", capacity=1 << 20, map_margin_bytes=0) as tier:
+async def test_an_index_of_the_older_format_is_dropped_at_open(tmp_path):
+    path = tmp_path / "t"
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=2)
+    for name in (b"rows", b"index"):
+        with env.begin(write=True, db=env.open_db(name)) as txn:
+            txn.put(NS_A + key(1), b"an old value")
+    env.close()
+    async with opened(path) as tier:
+        assert tier.stats()["rows"] == 0
+        assert all(await tier.put(rows([key(1)], 3000)))
+    env = lmdb.open(str(path), max_dbs=3, readonly=True, lock=False)
+    with env.begin() as txn:
+        names = set(txn.cursor().iternext(values=False))
+    env.close()
+    assert names == {INDEX_DB}
+
+
+async def test_a_full_rows_file_drops_the_batch_and_the_tier_goes_on(tmp_path):
+    # A rows file with no margin: the first batch fits, but replacing all of it in one
+    # commit needs the old and the new pages at once (the old are freed by that commit).
+    async with opened(tmp_path / "t", capacity=1 << 20, file_margin_bytes=0) as tier:
         first = [key(i) for i in range(12)]
         assert all(await tier.put(rows(first, 64_000)))
         second = [key(i) for i in range(100, 112)]
@@ -352,7 +427,7 @@ async def test_a_full_disk_drops_stores_and_nothing_crashes(tmp_path):
     path = tmp_path / "t"
     async with opened(path) as tier:
         assert all(await tier.put(rows([key(0)], 1000)))
-        with file_size_limit(os.path.getsize(path / DATA_FILE)):
+        with file_size_limit(os.path.getsize(path / ROWS_FILE)):
             stored = await tier.put(rows([key(i) for i in range(1, 9)], 64_000))
         assert stored == [False] * 8
         assert tier.stats()["dropped"] == 8 and tier.stats()["write_errors"] == 1
@@ -372,7 +447,7 @@ async def test_delete_removes_rows_from_index_and_file(tmp_path):
         assert [tier.may_contain(k) for k in keys] == [False, True, False]
         assert await tier.get(buffers(keys, 5000)) == [False, True, False]
         assert tier.stats()["deleted"] == 2 and tier.stats()["rows"] == 1
-    assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB) == {NS_A + keys[1]}
+    assert raw_keys(path) == {NS_A + keys[1]}
 
 
 async def test_concurrent_puts_gets_and_deletes_stay_consistent(tmp_path):
@@ -485,6 +560,6 @@ async def test_multiprocess_sigkill_in_a_write_storm_loses_no_commit_and_tears_n
             assert tier.stats()["corrupt"] == 0
         finally:
             await tier.close()
-        assert raw_keys(path, ROWS_DB) == raw_keys(path, INDEX_DB)
+        assert raw_keys(path) == {child.NAMESPACE + k for k in present}  # the index is the file's
     assert killed_mid_run == rounds  # every child died of the SIGKILL, mid-storm
     assert len(committed_keys(report)) > child.KEYS // 2  # the storms did write

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.vllm.harness import BLOCK_SIZE
+from tiers.lmdb_store import ROWS_FILE
 
 PREFIX = list(range(100, 260))  # 10 blocks
 
@@ -92,11 +93,11 @@ def test_a_corrupt_row_on_disk_is_a_miss_and_the_prefix_before_it_still_loads(ma
 
 
 def flip_a_byte_of_the_row(disk_dir, engine, req_id, block):
-    """Corrupt the stored row of ``block`` in the LMDB file (found by its bytes)."""
+    """Corrupt the stored row of ``block`` in the disk tier's rows file (found by its bytes)."""
     tokens = engine.requests[req_id].prompt
     # The row starts with the first layer's page of that block: the model's bytes of its first token.
     probe = engine._expected("layer0", block * BLOCK_SIZE, tokens[block * BLOCK_SIZE])[0].numpy().tobytes()
-    path = disk_dir / "data.mdb"
+    path = disk_dir / ROWS_FILE
     data = path.read_bytes()
     offset = data.find(probe)
     assert offset >= 0 and data.find(probe, offset + 1) < 0, "the probe must find exactly the one row"
