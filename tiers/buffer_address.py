@@ -1,9 +1,9 @@
-"""The address of a read-only buffer, such as a key py-lmdb returns with ``buffers=True``.
+"""The address of any buffer, read-only ones included (a host row view, a ``bytes``).
 
-``ctypes`` gives the address of a *writable* buffer only (``c_char.from_buffer``); LMDB's
-keys are read-only views of LMDB's own pages. The disk tier reads the B-tree node around
-such a key to find where its value lies in the file (see ``lmdb_store``), so it asks
-CPython's buffer protocol directly (``Py_buffer`` is part of the stable ABI since 3.11).
+``ctypes`` gives the address of a *writable* buffer only (``c_char.from_buffer``). The disk
+tier checksums rows by address (``fast_checksum.checksum_at``, which frees the GIL), from
+whatever buffer it is handed, so it asks CPython's buffer protocol directly (``Py_buffer``
+is part of the stable ABI since 3.11).
 """
 
 from __future__ import annotations
@@ -43,8 +43,3 @@ def buffer_address(obj: object) -> int:
         return view.buf or 0
     finally:
         _release_buffer(ctypes.byref(view))
-
-
-def peek(obj: object, offset: int, nbytes: int) -> bytes:
-    """``nbytes`` bytes at ``offset`` from ``obj``'s first byte (which must be readable memory)."""
-    return ctypes.string_at(buffer_address(obj) + offset, nbytes)
