@@ -31,7 +31,6 @@ import torch
 
 from bench.engine_layouts import EngineLayout, ModelShape
 from bench.report import write_json
-from offload.api import Offloader
 from offload.keys import make_key
 from offload.layout import canonicalize
 from offload.row_layout import convert_row
@@ -94,25 +93,8 @@ def config(path: str, rows: int, row_bytes: int) -> dict:
     }  # fmt: skip
 
 
-def offloader(
-    layout: EngineLayout, cfg: dict, num_blocks: int, convert_on_load: bool = False
-) -> tuple[Offloader, dict]:
-    kv, groups = layout.make(num_blocks)
-    per = ROW_TOKENS // layout.block_tokens
-    engine_ = Offloader(
-        kv,
-        groups,
-        cfg,
-        block_size=layout.block_tokens,
-        blocks_per_key=per,
-        kv_layout=layout.kv_layout,
-        convert_on_load=convert_on_load,
-    )
-    return engine_, kv
-
-
 def store_prompt(cfg: dict, logical: torch.Tensor, rows: int) -> None:
-    engine_a, kv = offloader(WRITER, cfg, rows)
+    engine_a, kv = WRITER.offloader(cfg, rows, ROW_TOKENS)
     with engine_a:
         WRITER.fill(kv, logical, list(range(rows)))
         engine_a.store(keys(rows), list(range(rows)))
@@ -125,7 +107,7 @@ def timed_load(
 ) -> float:
     """Seconds from the first lookup to the end of the load, for a cold host tier."""
     per = ROW_TOKENS // layout.block_tokens
-    engine_b, kv = offloader(layout, cfg, rows * per, convert_on_load)
+    engine_b, kv = layout.offloader(cfg, rows * per, ROW_TOKENS, convert_on_load=convert_on_load)
     wanted = keys(rows)
     block_ids = list(range(rows * per))
     with engine_b:

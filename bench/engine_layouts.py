@@ -10,9 +10,14 @@ conversion tests.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+
+from offload.api import Offloader
 
 KINDS = ("nhd", "kv-apart", "hnd", "hnd-strides", "packed", "packed-hnd")
 """``nhd``: ``[blocks, 2, T, H, D]`` per layer (K and V of a block adjoin); ``kv-apart``:
@@ -100,3 +105,27 @@ class EngineLayout:
         layers = range(self.shape.layers)
         per_block = [torch.stack([self.block(kv, layer, block) for layer in layers]) for block in block_ids]
         return torch.cat(per_block, dim=2)
+
+    def offloader(
+        self,
+        config: Mapping[str, Any] | str | Path,
+        num_blocks: int,
+        row_tokens: int,
+        *,
+        convert_on_load: bool | None = None,
+    ) -> tuple[Offloader, dict[str, torch.Tensor]]:
+        """An ``Offloader`` over fresh caches of this layout whose rows (keys) hold
+        ``row_tokens`` tokens, and the caches."""
+        if row_tokens % self.block_tokens:
+            raise ValueError(f"{self.name}: {row_tokens} tokens per row is not a whole number of blocks")
+        kv, groups = self.make(num_blocks)
+        engine = Offloader(
+            kv,
+            groups,
+            config,
+            block_size=self.block_tokens,
+            blocks_per_key=row_tokens // self.block_tokens,
+            kv_layout=self.kv_layout,
+            convert_on_load=convert_on_load,
+        )
+        return engine, kv

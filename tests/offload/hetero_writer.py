@@ -13,8 +13,7 @@ import sys
 import torch
 
 from bench.engine_layouts import EngineLayout, ModelShape
-from offload.api import Offloader
-from tests.offload.kv_engines import SHAPE, blocks_per_key, logical_kv
+from tests.offload.kv_engines import ROW_TOKENS, SHAPE, blocks_per_key, logical_kv
 
 
 def prompt_keys(writer: str, rows: int) -> list[bytes]:
@@ -26,12 +25,10 @@ def prompt_keys(writer: str, rows: int) -> list[bytes]:
 
 def write(spec: EngineLayout, config: dict, writer: str, seed: int, rows: int) -> None:
     bpk = blocks_per_key(spec)
-    kv, groups = spec.make(rows * bpk + 2)
+    engine, kv = spec.offloader(config, rows * bpk + 2, ROW_TOKENS)
     block_ids = list(range(1, 1 + rows * bpk))  # block 0 left unused: ids need not start at 0
     spec.fill(kv, logical_kv(seed, rows, spec.shape), block_ids)
-    with Offloader(
-        kv, groups, config, block_size=spec.block_tokens, blocks_per_key=bpk, kv_layout=spec.kv_layout
-    ) as engine:
+    with engine:
         engine.store(prompt_keys(writer, rows), block_ids)
         engine.wait()
         engine.wait_tiers()

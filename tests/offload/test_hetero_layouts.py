@@ -22,7 +22,7 @@ import torch
 from bench.engine_layouts import EngineLayout
 from offload.api import Offloader
 from tests.offload.hetero_writer import prompt_keys
-from tests.offload.kv_engines import ENGINES, blocks_per_key, engine, logical_kv
+from tests.offload.kv_engines import ENGINES, ROW_TOKENS, blocks_per_key, engine, logical_kv
 from tests.tiers.peer_fixtures import start_peers
 
 pytestmark = pytest.mark.multiprocess
@@ -107,16 +107,8 @@ def test_every_layout_loads_every_other_layouts_prefix(stored, tier, convert_on_
         "tiers": [{"kind": "host", "capacity": "1MiB"}, tiers[tier]],
     }
     bpk = blocks_per_key(reader)
-    kv, groups = reader.make(STORED_ROWS * bpk + 3)
-    with Offloader(
-        kv,
-        groups,
-        config,
-        block_size=reader.block_tokens,
-        blocks_per_key=bpk,
-        kv_layout=reader.kv_layout,
-        convert_on_load=convert_on_load,
-    ) as engine:
+    engine, kv = reader.offloader(config, STORED_ROWS * bpk + 3, ROW_TOKENS, convert_on_load=convert_on_load)
+    with engine:
         for writer in ENGINES:
             keys = prompt_keys(writer_name(writer), STORED_ROWS + 1)  # the 4th row was never stored
             assert found_prefix(engine, keys) == STORED_ROWS, f"{writer.name} -> {reader.name}"
