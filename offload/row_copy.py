@@ -19,6 +19,7 @@ A packed (cross-layer) group has one ref, so each run is a single op on both pat
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -122,6 +123,7 @@ class RowCopier:
             self.columns.append(_RefColumns(device_cols, host_cols, host_offset, ref.page_size_bytes))
             host_offset += ref.page_size_bytes
         self._staging: torch.Tensor | None = None
+        self._conversion = threading.local()
 
     def sub_rows(self, slots: Sequence[int]) -> list[int]:
         """Host sub-row indices for ``slots``, in order (one per device block)."""
@@ -186,13 +188,23 @@ class RowCopier:
         source: GroupRowLayout,
         target: GroupRowLayout,
     ) -> None:
-        staged = self.host_slab[slot].to(self.device, non_blocking=True, copy=True)
-        converted = torch.empty_like(staged)
+        staged, converted = self._conversion_buffers()
+        staged.copy_(self.host_slab[slot], non_blocking=True)
         convert_into(staged, converted, source, target)
         subs = converted.view(self.blocks_per_row, self.block_bytes)[sub_rows]
         index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
         for col, stage_cols in zip(self.columns, self._stage_columns(subs), strict=True):
             col.device.index_copy_(0, index, stage_cols)
+
+    def _conversion_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two device rows for a converting load, reused by this thread (on CUDA, by the copy
+        stream, whose order makes reuse safe): fresh ones cost their page faults every row."""
+        buffers = getattr(self._conversion, "buffers", None)
+        if buffers is None:
+            row = self.host_slab.shape[1]
+            buffers = tuple(torch.empty(row, dtype=torch.uint8, device=self.device) for _ in range(2))
+            self._conversion.buffers = buffers
+        return buffers
 
     def _staged_copy(self, blocks: list[int], rows: list[int], store: bool) -> None:
         for r0, r1, index, stage in self._staged_runs(blocks, rows):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -121,9 +122,13 @@ class RowLayout:
         return found
 
 
-def convert_row(row: torch.Tensor, source: GroupRowLayout, target: GroupRowLayout) -> None:
+def convert_row(
+    row: torch.Tensor, source: GroupRowLayout, target: GroupRowLayout, scratch: torch.Tensor | None = None
+) -> None:
     """Rewrite ``row`` (1-d uint8, a host row, on any device) from ``source`` layout into
     ``target``, in place. Raises ``ValueError`` if the layouts hold different content.
+    ``scratch``: a uint8 buffer of at least the row's size on its device, to reuse (a fresh
+    8 MiB buffer per row costs its page faults every time).
 
     Two passes: a plain copy of the row, so the rewrite never reads what it has written,
     then the rewrite (``convert_into``), one granule of ``min(block tokens)`` tokens at a
@@ -138,7 +143,12 @@ def convert_row(row: torch.Tensor, source: GroupRowLayout, target: GroupRowLayou
         raise ValueError(f"a row of {row.numel()} B is not a {source.row_bytes} B row of {source}")
     if source == target:
         return
-    convert_into(row.clone(), row, source, target)
+    if scratch is None or scratch.numel() < row.numel() or scratch.device != row.device:
+        staged = row.clone()
+    else:
+        staged = scratch[: row.numel()]
+        staged.copy_(row)
+    convert_into(staged, row, source, target)
 
 
 def convert_into(
@@ -176,6 +186,7 @@ class RowConverter:
         self.own_id = own.layout_id()
         self._sources = {variant.layout_id(): variant for variant in own.variants()}
         self.converted = 0  # rows rewritten so far
+        self._scratch = threading.local()  # per converting thread: a reused staging row
 
     @property
     def readable_ids(self) -> frozenset[bytes]:
@@ -199,6 +210,10 @@ class RowConverter:
         source = self.source(group, layout_id)
         if source is None:
             return False
-        convert_row(torch.frombuffer(row, dtype=torch.uint8), source, self.own.groups[group])
+        target = self.own.groups[group]
+        scratch = getattr(self._scratch, "row", None)
+        if scratch is None or scratch.numel() < target.row_bytes:
+            scratch = self._scratch.row = torch.empty(target.row_bytes, dtype=torch.uint8)
+        convert_row(torch.frombuffer(row, dtype=torch.uint8), source, target, scratch)
         self.converted += 1
         return True
