@@ -267,6 +267,8 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
     return {
         **ratio_figures(gbps, put_base="raw_write", get_base="raw_read"),
         # measured, not modelled: raw moved part by part, each part hashed as it lands
+        "raw_write_checked_gbps": gbps["raw_write_checked"],
+        "raw_read_checked_gbps": gbps["raw_read_checked"],
         "put_ceiling": gbps["raw_write_checked"] / gbps["raw_write"],
         "get_ceiling": gbps["raw_read_checked"] / gbps["raw_read"],
         "descriptors_per_transfer": descs / transfers if transfers else 0.0,

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -79,32 +79,57 @@ class _Call:
 @dataclass(eq=False)
 class _Batch:
     """The parts of one ``transfer``: posted by one job, resolved by one future once no part
-    is in flight any more (so the event loop wakes once per call, not once per part)."""
+    is in flight any more (so the event loop wakes once per call, not once per part).
 
+    Both descriptor lists are prepared once per call (``prep_xfer_dlist``) and each part is
+    a range of them (``make_prepped_xfer``): measured, a few percent faster than building
+    each part's request from its own lists when a call has tens of parts."""
+
+    op: str  # "READ" or "WRITE", seen from the local side
+    local: np.ndarray  # Nx3, every row of the call
+    remote: np.ndarray
+    remote_agent: str
+    deadline: float  # time.monotonic()
+    after: Callable[[int], Any] | None
     future: concurrent.futures.Future
-    parts: list[_Transfer]
-    results: list[Any]
-    pending: int
+    parts: list[_Transfer] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+    pending: int = 0
+    prepared: tuple[Any, Any] | None = None  # the two prepped descriptor lists
 
     def settle(self, index: int, outcome: Any) -> None:
         self.results[index] = outcome
         self.pending -= 1
         if self.pending == 0:
+            if self.prepared is not None:  # no request of this call is left to use them
+                for side in self.prepared:
+                    quietly(side.release)
+                self.prepared = None
             self.future.set_result(self.results)
 
 
 @dataclass(eq=False)
 class _Transfer:
-    op: str  # "READ" or "WRITE", seen from the local side
-    local: np.ndarray
-    remote: np.ndarray
-    remote_agent: str
-    deadline: float  # time.monotonic()
+    """One part of a batch: one NIXL request for descriptors ``start:stop`` of the call."""
+
     batch: _Batch
-    index: int  # in the batch
-    after: Callable[[int], Any] | None = None
+    index: int
+    start: int
+    stop: int
     handle: Any = None
     settled: bool = False
+
+    @property
+    def op(self) -> str:
+        return self.batch.op
+
+    @property
+    def remote_agent(self) -> str:
+        return self.batch.remote_agent
+
+    @property
+    def deadline(self) -> float:
+        return self.batch.deadline
 
     def settle(self, outcome: Any) -> None:
         """Report this part's outcome to its batch, once (later reports are ignored)."""
@@ -155,27 +180,36 @@ class AgentThread:
     def transfer(
         self,
         op: str,
-        parts: Sequence[tuple[np.ndarray, np.ndarray]],
+        local: np.ndarray,
+        remote: np.ndarray,
+        part_sizes: Sequence[int],
         remote_agent: str,
         deadline: float,
         *,
         after: Callable[[int], Any] | None = None,
     ) -> concurrent.futures.Future[list[Any]]:
-        """Post one NIXL request of ``op`` per ``(local, remote)`` pair of Nx3 descriptor
-        arrays, in order, each followed on this thread by ``after(k)`` once part ``k`` is DONE.
+        """Post ``op`` of the Nx3 descriptor arrays ``local`` -> ``remote`` as one NIXL request
+        per part (``part_sizes`` descriptors each, in order), each part followed on this
+        thread by ``after(k)`` once part ``k`` is DONE.
 
         The future resolves once every part has finished, failed or timed out, to one
         outcome per part: ``after(k)``'s result (``None`` without ``after``), or the
         ``TransferError`` (``TransferTimeout``) or exception of ``after`` that failed it. Once
         a part fails to post, the parts after it are not posted (they fail alike).
         """
+        if sum(part_sizes) != len(local) or len(local) != len(remote):
+            raise ValueError(
+                f"parts of {sum(part_sizes)} descriptors for lists of {len(local)}, {len(remote)}"
+            )
         future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
-        batch = _Batch(future, [], [None] * len(parts), len(parts))
-        batch.parts = [
-            _Transfer(op, local, remote, remote_agent, deadline, batch, k, after)
-            for k, (local, remote) in enumerate(parts)
-        ]
-        if not parts:
+        batch = _Batch(op, local, remote, remote_agent, deadline, after, future)
+        start = 0
+        for k, size in enumerate(part_sizes):
+            batch.parts.append(_Transfer(batch, k, start, start + size))
+            start += size
+        batch.results = [None] * len(batch.parts)
+        batch.pending = len(batch.parts)
+        if not batch.parts:
             future.set_result([])
         else:
             self._jobs.put(batch)
@@ -245,19 +279,26 @@ class AgentThread:
                 job.future.set_exception(exc)
             return
         failed: TransferError | None = None
+        if time.monotonic() >= job.deadline:
+            failed = TransferTimeout(f"{job.op} to {job.remote_agent}: deadline passed in queue")
+        else:
+            try:
+                job.prepared = (
+                    agent.prep_xfer_dlist("NIXL_INIT_AGENT", job.local, "DRAM"),
+                    agent.prep_xfer_dlist(job.remote_agent, job.remote, "DRAM"),
+                )
+            except Exception as exc:
+                failed = TransferError(f"{job.op} to {job.remote_agent}: {exc}")
         for part in job.parts:
             if failed is None and time.monotonic() >= part.deadline:
-                failed = TransferTimeout(f"{part.op} to {part.remote_agent}: deadline passed in queue")
+                failed = TransferTimeout(f"{part.op} to {part.remote_agent}: deadline passed")
             if failed is not None:
                 part.settle(failed)
                 continue
             try:
-                part.handle = agent.initialize_xfer(
-                    part.op,
-                    agent.get_xfer_descs(part.local, "DRAM"),
-                    agent.get_xfer_descs(part.remote, "DRAM"),
-                    part.remote_agent,
-                )
+                local_side, remote_side = job.prepared  # type: ignore[misc]
+                indices = list(range(part.start, part.stop))
+                part.handle = agent.make_prepped_xfer(job.op, local_side, indices, remote_side, indices)
                 state = agent.transfer(part.handle)
             except Exception as exc:
                 self._release(part)
@@ -306,8 +347,9 @@ class AgentThread:
         if state != "DONE":
             job.settle(TransferError(f"{job.op} to {job.remote_agent}: {state}"))
             return
+        after = job.batch.after
         try:
-            job.settle(job.after(job.index) if job.after is not None else None)
+            job.settle(after(job.index) if after is not None else None)
         except Exception as exc:
             job.settle(exc)
 
@@ -319,6 +361,14 @@ class AgentThread:
             handle.release()
         except Exception as exc:  # an unfinished transfer: NIXL keeps the handle on its leak list
             log.debug("releasing a %s handle towards %s: %s", job.op, job.remote_agent, exc)
+
+
+def quietly(fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)``, an error only logged (at debug): for clean-up that may find nothing to do."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.debug("%s%s: %s", getattr(fn, "__qualname__", fn), args, exc)
 
 
 def _fail(future: concurrent.futures.Future, exc: Exception) -> None:

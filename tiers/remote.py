@@ -65,7 +65,7 @@ import xxhash
 from tiers.base import LowerTier, Row, TierError
 from tiers.buffer_address import buffer_address
 from tiers.fast_checksum import checksum_at
-from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors
+from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors, quietly
 from tiers.peer_client import PeerClient, PeerRefused, PeerTimeout, PeerUnavailable
 from tiers.peer_protocol import EXISTS, INSTANCE_ID_BYTES, MAX_KEY_BYTES, MAX_KEYS, NO_SLOT, Welcome
 from tiers.row_format import LAYOUT_ID_BYTES, RowHeader
@@ -607,13 +607,12 @@ class RemoteTier(LowerTier):
         lengths = [len(views[i]) for i, _ in items]
         local = descriptors([addrs[i] for i, _ in items], lengths)
         remote = descriptors([welcome.pool_addr + slot * welcome.slot_bytes for _, slot in items], lengths)
-        pairs, start = [], 0
-        for part in parts:
-            pairs.append((local[start : start + len(part)], remote[start : start + len(part)]))
-            start += len(part)
+        sizes = [len(part) for part in parts]
         self._counters["transfers"] += len(parts)
         self._counters["descriptors"] += len(items)
-        future = self._agent.transfer(op, pairs, link.remote_agent, deadline - _MARGIN_S, after=after)
+        future = self._agent.transfer(
+            op, local, remote, sizes, link.remote_agent, deadline - _MARGIN_S, after=after
+        )
         return await self._settle(future, deadline, len(parts))
 
     async def _settle(self, future: concurrent.futures.Future, deadline: float, n: int) -> list[object]:
@@ -678,7 +677,7 @@ class RemoteTier(LowerTier):
             scratch = self._scratch.ctypes.data + peer.scratch_offset
             probe = descriptors([scratch], [INSTANCE_ID_BYTES])
             future = agent.transfer(
-                "READ", [(probe, descriptors([welcome.probe_addr], [INSTANCE_ID_BYTES]))], name, deadline
+                "READ", probe, descriptors([welcome.probe_addr], [INSTANCE_ID_BYTES]), [1], name, deadline
             )
             (outcome,) = await self._settle(future, deadline, 1)
             if isinstance(outcome, BaseException):
@@ -743,19 +742,12 @@ class RemoteTier(LowerTier):
         """Drop a peer's NIXL metadata (and connection) on the agent's thread, after anything
         already queued towards it."""
         if self._agent is not None:
-            self._agent.submit(lambda a: _quietly(a.remove_remote_agent, name))
+            self._agent.submit(lambda a: quietly(a.remove_remote_agent, name))
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
         if len(self._known) > self.max_tracked_keys:
             del self._known[next(iter(self._known))]
-
-
-def _quietly(fn: Callable[..., object], *args: object) -> None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        log.debug("%s%s: %s", getattr(fn, "__name__", fn), args, exc)
 
 
 def _batches(idxs: list[int], size: int) -> list[list[int]]:
