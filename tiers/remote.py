@@ -409,7 +409,11 @@ class RemoteTier(LowerTier):
                     self._counters["timeouts"] += 1
                 self._mark_down(link.peer, str(exc), link.client)
 
-        await asyncio.gather(*(guarded(link, idxs) for link, idxs in groups.items()))
+        if len(groups) == 1:  # no task to spawn and wait for (each costs an event-loop turn)
+            ((link, idxs),) = groups.items()
+            await guarded(link, idxs)
+        else:
+            await asyncio.gather(*(guarded(link, idxs) for link, idxs in groups.items()))
 
     async def _put_part(
         self,
