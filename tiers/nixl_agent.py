@@ -278,17 +278,7 @@ class AgentThread:
             except Exception as exc:
                 job.future.set_exception(exc)
             return
-        failed: TransferError | None = None
-        if time.monotonic() >= job.deadline:
-            failed = TransferTimeout(f"{job.op} to {job.remote_agent}: deadline passed in queue")
-        else:
-            try:
-                job.prepared = (
-                    agent.prep_xfer_dlist("NIXL_INIT_AGENT", job.local, "DRAM"),
-                    agent.prep_xfer_dlist(job.remote_agent, job.remote, "DRAM"),
-                )
-            except Exception as exc:
-                failed = TransferError(f"{job.op} to {job.remote_agent}: {exc}")
+        failed = self._prepare(job)
         for part in job.parts:
             if failed is None and time.monotonic() >= part.deadline:
                 failed = TransferTimeout(f"{part.op} to {part.remote_agent}: deadline passed")
@@ -309,6 +299,23 @@ class AgentThread:
                 inflight.append(part)
             else:
                 self._finish(part, state)
+
+    def _prepare(self, job: _Batch) -> TransferError | None:
+        """Prepare both descriptor lists of ``job`` once; the error that fails it, if any."""
+        agent = self._agent
+        assert agent is not None
+        if time.monotonic() >= job.deadline:
+            return TransferTimeout(f"{job.op} to {job.remote_agent}: deadline passed in queue")
+        try:
+            local_side = agent.prep_xfer_dlist("NIXL_INIT_AGENT", job.local, "DRAM")
+        except Exception as exc:
+            return TransferError(f"{job.op}: local descriptors: {exc}")
+        try:
+            job.prepared = (local_side, agent.prep_xfer_dlist(job.remote_agent, job.remote, "DRAM"))
+        except Exception as exc:  # the remote agent is gone (removed after a failure)
+            quietly(local_side.release)
+            return TransferError(f"{job.op} to {job.remote_agent}: {exc}")
+        return None
 
     def _poll(self, inflight: list[_Transfer]) -> bool:
         """Check every transfer in flight; whether any of them finished."""
