@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 _MARGIN_S = 0.02  # transfers time out this much before the call's deadline, to report in time
 _SCRATCH_PER_PEER = 64
+_REQUESTS_IN_FLIGHT = 2  # per peer, when a call needs several control requests
 _GRACE_S = 0.5  # how long past a deadline the agent's thread may take to report a timeout
 _AGENT_START_S = 30.0
 
@@ -324,8 +325,23 @@ class RemoteTier(LowerTier):
         addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
 
         async def on_owner(link: _Link, idxs: list[int]) -> None:
-            for part in _batches(idxs, self.keys_per_request):
-                await run_part(link, part, wire, views, addrs, done, deadline)
+            batches = _batches(idxs, self.keys_per_request)
+            if len(batches) == 1:
+                await run_part(link, batches[0], wire, views, addrs, done, deadline)
+                return
+            # Two requests in flight, so one's control messages travel while the other's rows
+            # move. Every one runs to its end (a READ may not outlive the call) before the
+            # first error is raised.
+            window = asyncio.Semaphore(_REQUESTS_IN_FLIGHT)
+
+            async def one(part: list[int]) -> None:
+                async with window:
+                    await run_part(link, part, wire, views, addrs, done, deadline)
+
+            outcomes = await asyncio.gather(*(one(part) for part in batches), return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
 
         await self._per_owner(wire, on_owner)
         return done
