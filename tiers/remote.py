@@ -8,13 +8,16 @@ them).
 
 How a batch moves (per owner peer, all owners concurrently):
 
-- put: PUT_ALLOC (keys, lengths) -> slots; the rows are checksummed and WRITten into the
-  peer's slots, a NIXL request per ``transfer_bytes`` of rows with **one descriptor per
-  row**; PUT_COMMIT with the row headers makes them visible. A key the peer holds already
+- put: PUT_ALLOC (keys, lengths) -> slots; the rows are WRITten into the peer's slots, a
+  NIXL request per ``transfer_bytes`` of rows with **one descriptor per row**, and
+  checksummed; PUT_COMMIT with the row headers makes them visible. A key the peer holds already
   is not sent again (keys name their content).
 - get: GET (keys) -> slots, row headers and a lease; the rows are READ into the caller's
   buffers, then verified against their headers (layout id, length, xxh3) before they count
   as hits; RELEASE ends the lease. A row that fails verification is a miss, never garbage.
+- A peer's share of a call that needs several control requests (more than
+  ``keys_per_request`` keys) keeps two of them in flight: one's messages travel while the
+  other's rows move.
 
 Checksums are computed on the NIXL agent's thread, right after each part is copied (a
 put hashes the rows it just wrote, a get verifies the rows it just read), with the GIL
