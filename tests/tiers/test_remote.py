@@ -76,6 +76,24 @@ def two_group_rows(n: int, seed: int) -> tuple[HostRows, list[bytes]]:
 
 
 @multiprocess
+async def test_a_call_of_several_requests_per_peer_round_trips(shared):
+    """More keys than one control request carries: a peer's requests overlap (two in flight)
+    and every row still lands where it belongs, with no allocation or lease left behind."""
+    addresses = [p.address for p in shared[:2]]
+    rows, keys = two_group_rows(40, seed=7)
+    async with open_tier(
+        addresses, rows.view, namespace=b"several", token=TOKEN, keys_per_request=3, transfer_bytes=32 * KIB
+    ) as tier:
+        assert await tier.put(list(zip(keys, rows.src, strict=True))) == [True] * 40
+        rows.clear_dst()
+        assert await tier.get(list(zip(keys, rows.dst, strict=True))) == [True] * 40
+        assert all(rows.same(i) for i in range(40))
+        for address in addresses:
+            stats = await tier.peer_stats(address)
+            assert stats["leases"] == 0 and stats["pending_slots"] == 0
+
+
+@multiprocess
 @pytest.mark.parametrize("n_peers", [2, 3])
 async def test_rows_round_trip_byte_exact(shared, n_peers):
     addresses = [p.address for p in shared[:n_peers]]

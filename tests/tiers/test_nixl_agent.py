@@ -1,0 +1,145 @@
+"""``AgentThread.transfer``: a call's parts as one job, each part's outcome, with real NIXL.
+
+Two agents in this process (UCX moves the bytes by CMA, as between processes): the first
+WRITEs and READs the second's registered buffer. Failures are real too: an agent name
+that was never added, a deadline already passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+ROW = 64 << 10
+ROWS = 6
+
+
+@pytest.fixture
+async def pair():
+    """(local agent, remote agent's name in it, local rows, remote rows)."""
+    local, remote = AgentThread(f"test-local-{os.getpid()}"), AgentThread(f"test-remote-{os.getpid()}")
+    src = np.random.default_rng(0).integers(0, 256, ROWS * ROW, dtype=np.uint8)
+    dst = np.zeros(ROWS * ROW, dtype=np.uint8)
+    await local.start(30)
+    await remote.start(30)
+    progress = None
+    try:
+        for agent, buf in ((local, src), (remote, dst)):
+            region = (buf.ctypes.data, buf.nbytes, 0, "")
+            await agent.call(lambda a, r=region: a.register_memory([r], "DRAM"), 10)
+        metadata = await remote.call(lambda a: a.get_agent_metadata(), 10)
+        name = await local.call(lambda a: a.add_remote_agent(metadata), 10)
+        progress = asyncio.create_task(serve(remote))
+        yield local, name.decode() if isinstance(name, bytes) else name, src, dst
+    finally:
+        if progress is not None:
+            progress.cancel()
+        await asyncio.to_thread(local.close)
+        await asyncio.to_thread(remote.close)
+
+
+async def serve(agent: AgentThread) -> None:
+    """Progress the target like ``kvtier peer`` does (no progress thread): the first transfer
+    towards it needs it to answer the transport's wire-up."""
+    while True:
+        agent.submit(lambda a: a.get_new_notifs())
+        await asyncio.sleep(0.001)
+
+
+def rows_of(buf: np.ndarray, order: list[int]) -> np.ndarray:
+    return descriptors([buf.ctypes.data + i * ROW for i in order], [ROW] * len(order))
+
+
+async def settle(future) -> list:
+    return await asyncio.wait_for(asyncio.wrap_future(future), 10)
+
+
+async def test_parts_move_in_order_each_followed_by_its_hook(pair):
+    agent, name, src, dst = pair
+    order = [5, 0, 3, 1, 4, 2]  # rows land in other slots than they came from
+    seen: list[int] = []
+
+    def after(k: int) -> int:
+        seen.append(k)
+        return k * 10
+
+    future = agent.transfer(
+        "WRITE",
+        rows_of(src, list(range(ROWS))),
+        rows_of(dst, order),
+        [2, 1, 3],
+        name,
+        time.monotonic() + 5,
+        after=after,
+    )
+    assert await settle(future) == [0, 10, 20]
+    assert seen == [0, 1, 2]
+    for i, slot in enumerate(order):
+        assert np.array_equal(dst[slot * ROW : (slot + 1) * ROW], src[i * ROW : (i + 1) * ROW])
+
+    src[:] = 0
+    back = agent.transfer(
+        "READ", rows_of(src, list(range(ROWS))), rows_of(dst, order), [6], name, time.monotonic() + 5
+    )
+    assert await settle(back) == [None]
+    assert np.array_equal(src[:ROW], dst[5 * ROW : 6 * ROW])
+
+
+async def test_a_failing_hook_fails_its_part_only(pair):
+    agent, name, src, dst = pair
+
+    def after(k: int) -> str:
+        if k == 1:
+            raise ValueError("bad part")
+        return "ok"
+
+    future = agent.transfer(
+        "WRITE",
+        rows_of(src, [0, 1, 2]),
+        rows_of(dst, [0, 1, 2]),
+        [1, 1, 1],
+        name,
+        time.monotonic() + 5,
+        after=after,
+    )
+    first, second, third = await settle(future)
+    assert first == third == "ok"
+    assert isinstance(second, ValueError)
+
+
+async def test_an_unknown_remote_agent_fails_every_part(pair):
+    agent, _name, src, dst = pair
+    future = agent.transfer(
+        "WRITE", rows_of(src, [0, 1]), rows_of(dst, [0, 1]), [1, 1], "nobody", time.monotonic() + 5
+    )
+    outcomes = await settle(future)
+    assert len(outcomes) == 2 and all(isinstance(o, TransferError) for o in outcomes)
+
+
+async def test_a_passed_deadline_fails_every_part_with_a_timeout(pair):
+    agent, name, src, dst = pair
+    future = agent.transfer(
+        "READ", rows_of(dst, [0, 1]), rows_of(src, [0, 1]), [1, 1], name, time.monotonic() - 1
+    )
+    outcomes = await settle(future)
+    assert len(outcomes) == 2 and all(isinstance(o, TransferTimeout) for o in outcomes)
+
+
+async def test_parts_must_cover_the_descriptors(pair):
+    agent, name, src, dst = pair
+    with pytest.raises(ValueError, match="parts of 3 descriptors"):
+        agent.transfer(
+            "WRITE", rows_of(src, [0, 1]), rows_of(dst, [0, 1]), [1, 2], name, time.monotonic() + 5
+        )
+    assert (
+        await settle(agent.transfer("WRITE", rows_of(src, []), rows_of(dst, []), [], name, time.monotonic()))
+        == []
+    )
