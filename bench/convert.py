@@ -125,16 +125,18 @@ def timed_load(
 
 
 def conversion_rate(reader: EngineLayout, repeats: int) -> tuple[float, float]:
-    """GB/s of ``convert_row`` from the writer's layout into ``reader``'s, and of ``torch`` copy."""
+    """GB/s of ``convert_row`` from the writer's layout into ``reader``'s (with a reused
+    scratch row, as ``RowConverter`` runs it), and of ``torch`` copy."""
     source = _row_layout(WRITER)
     target = _row_layout(reader)
     row = torch.empty(source.row_bytes, dtype=torch.uint8).random_()
     copy_into = torch.empty_like(row)
+    scratch = torch.empty_like(row)
     convert_s, copy_s = [], []
     for _ in range(repeats * 4):
         start = time.perf_counter()
-        convert_row(row, source, target)
-        convert_row(row, target, source)
+        convert_row(row, source, target, scratch)
+        convert_row(row, target, source, scratch)
         convert_s.append((time.perf_counter() - start) / 2)
         start = time.perf_counter()
         copy_into.copy_(row)

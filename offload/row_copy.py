@@ -172,9 +172,9 @@ class RowCopier:
         """The load of a host row written in ``source`` layout: ``sub_rows[i]`` of the row,
         rewritten into ``target`` (ours), into device block ``blocks[i]``.
 
-        The row is copied to the device whole (a DMA on CUDA), rewritten there with torch
+        On CUDA the row is copied to the device whole (one DMA), rewritten there with torch
         (``convert_into``: one pass in device memory) and scattered into the blocks like a
-        staged load. On CPU the same steps run on CPU tensors.
+        staged load. On CPU it is rewritten straight from the host row, then scattered.
         """
         if self.host_rows.shape[1] * self.blocks_per_row != self.host_slab.shape[1]:
             raise ValueError("rows of another layout cannot be converted into a host row with bands")
@@ -188,23 +188,24 @@ class RowCopier:
         source: GroupRowLayout,
         target: GroupRowLayout,
     ) -> None:
-        staged, converted = self._conversion_buffers()
-        staged.copy_(self.host_slab[slot], non_blocking=True)
-        convert_into(staged, converted, source, target)
+        row = self.host_slab[slot]
+        if row.device != self.device:  # CUDA: the raw row goes over first, in one DMA
+            row = self._conversion_buffer("staged").copy_(row, non_blocking=True)
+        converted = self._conversion_buffer("converted")
+        convert_into(row, converted, source, target)
         subs = converted.view(self.blocks_per_row, self.block_bytes)[sub_rows]
         index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
         for col, stage_cols in zip(self.columns, self._stage_columns(subs), strict=True):
             col.device.index_copy_(0, index, stage_cols)
 
-    def _conversion_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two device rows for a converting load, reused by this thread (on CUDA, by the copy
-        stream, whose order makes reuse safe): fresh ones cost their page faults every row."""
-        buffers = getattr(self._conversion, "buffers", None)
-        if buffers is None:
-            row = self.host_slab.shape[1]
-            buffers = tuple(torch.empty(row, dtype=torch.uint8, device=self.device) for _ in range(2))
-            self._conversion.buffers = buffers
-        return buffers
+    def _conversion_buffer(self, name: str) -> torch.Tensor:
+        """A device row for a converting load, reused by this thread (on CUDA, by the copy
+        stream, whose order makes reuse safe): a fresh one costs its page faults every row."""
+        buffer = getattr(self._conversion, name, None)
+        if buffer is None:
+            buffer = torch.empty(self.host_slab.shape[1], dtype=torch.uint8, device=self.device)
+            setattr(self._conversion, name, buffer)
+        return buffer
 
     def _staged_copy(self, blocks: list[int], rows: list[int], store: bool) -> None:
         for r0, r1, index, stage in self._staged_runs(blocks, rows):

@@ -224,11 +224,10 @@ class TierEngine:
         assert self.converter is not None
         converter = self.converter
         ok = await self.tiers[tier].get(rows, layouts)
-        foreign = [i for i, hit in enumerate(ok) if hit and layouts[i] not in (None, converter.own_id)]
-        kept = set(foreign)
-        for i in range(len(rows)):
-            if i not in kept:
+        for i, hit in enumerate(ok):
+            if not hit or layouts[i] == converter.own_id:
                 layouts[i] = None
+        foreign = [i for i, layout in enumerate(layouts) if layout is not None]
         if foreign and self.convert_on_landing:
 
             def convert() -> list[bool]:
