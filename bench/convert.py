@@ -62,7 +62,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--readers", default=",".join(READERS), help="reader layouts, KIND-BLOCKTOKENS")
     parser.add_argument("--json", help="write the figures here")
-    return parser.parse_args(argv)
+    parser.add_argument("--device", default="cpu", help="where both engines' KV caches live: cpu or cuda")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    return args
 
 
 def engine(name: str) -> EngineLayout:
@@ -93,8 +97,8 @@ def config(path: str, rows: int, row_bytes: int) -> dict:
     }  # fmt: skip
 
 
-def store_prompt(cfg: dict, logical: torch.Tensor, rows: int) -> None:
-    engine_a, kv = WRITER.offloader(cfg, rows, ROW_TOKENS)
+def store_prompt(cfg: dict, logical: torch.Tensor, rows: int, device: str = "cpu") -> None:
+    engine_a, kv = WRITER.offloader(cfg, rows, ROW_TOKENS, device=device)
     with engine_a:
         WRITER.fill(kv, logical, list(range(rows)))
         engine_a.store(keys(rows), list(range(rows)))
@@ -103,11 +107,18 @@ def store_prompt(cfg: dict, logical: torch.Tensor, rows: int) -> None:
 
 
 def timed_load(
-    layout: EngineLayout, cfg: dict, logical: torch.Tensor, rows: int, convert_on_load: bool = False
+    layout: EngineLayout,
+    cfg: dict,
+    logical: torch.Tensor,
+    rows: int,
+    convert_on_load: bool = False,
+    device: str = "cpu",
 ) -> float:
     """Seconds from the first lookup to the end of the load, for a cold host tier."""
     per = ROW_TOKENS // layout.block_tokens
-    engine_b, kv = layout.offloader(cfg, rows * per, ROW_TOKENS, convert_on_load=convert_on_load)
+    engine_b, kv = layout.offloader(
+        cfg, rows * per, ROW_TOKENS, convert_on_load=convert_on_load, device=device
+    )
     wanted = keys(rows)
     block_ids = list(range(rows * per))
     with engine_b:
@@ -118,28 +129,31 @@ def timed_load(
         results = engine_b.wait()
         seconds = time.perf_counter() - start
         if not all(r.success for r in results) or not torch.equal(
-            layout.read(kv, block_ids).view(torch.int16), logical.view(torch.int16)
+            layout.read(kv, block_ids).cpu().view(torch.int16), logical.view(torch.int16)
         ):
             raise RuntimeError(f"{layout.name}: the loaded KV differs from what was stored")
     return seconds
 
 
-def conversion_rate(reader: EngineLayout, repeats: int) -> tuple[float, float]:
+def conversion_rate(reader: EngineLayout, repeats: int, device: str = "cpu") -> tuple[float, float]:
     """GB/s of ``convert_row`` from the writer's layout into ``reader``'s (with a reused
-    scratch row, as ``RowConverter`` runs it), and of ``torch`` copy."""
+    scratch row, as ``RowConverter`` runs it), and of ``torch`` copy, on ``device``."""
     source = _row_layout(WRITER)
     target = _row_layout(reader)
-    row = torch.empty(source.row_bytes, dtype=torch.uint8).random_()
+    row = torch.empty(source.row_bytes, dtype=torch.uint8, device=device).random_()
     copy_into = torch.empty_like(row)
     scratch = torch.empty_like(row)
+    sync = torch.cuda.synchronize if row.is_cuda else (lambda: None)
     convert_s, copy_s = [], []
     for _ in range(repeats * 4):
         start = time.perf_counter()
         convert_row(row, source, target, scratch)
         convert_row(row, target, source, scratch)
+        sync()
         convert_s.append((time.perf_counter() - start) / 2)
         start = time.perf_counter()
         copy_into.copy_(row)
+        sync()
         copy_s.append(time.perf_counter() - start)
     return row.numel() / statistics.median(convert_s) / 1e9, row.numel() / statistics.median(copy_s) / 1e9
 
@@ -161,15 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     figures: list[ReaderFigures] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-convert-") as tmp:
         cfg = config(f"{tmp}/lmdb", args.rows, row_bytes)
-        store_prompt(cfg, logical, args.rows)
+        store_prompt(cfg, logical, args.rows, args.device)
         total = args.rows * row_bytes
         for reader in readers:
             same, landing, in_worker = [], [], []
             for _ in range(args.repeats):  # alternate, so drift hits all alike
-                same.append(timed_load(WRITER, cfg, logical, args.rows))
-                landing.append(timed_load(reader, cfg, logical, args.rows))
-                in_worker.append(timed_load(reader, cfg, logical, args.rows, convert_on_load=True))
-            convert_gbps, copy_gbps = conversion_rate(reader, args.repeats)
+                same.append(timed_load(WRITER, cfg, logical, args.rows, device=args.device))
+                landing.append(timed_load(reader, cfg, logical, args.rows, device=args.device))
+                in_worker.append(
+                    timed_load(reader, cfg, logical, args.rows, convert_on_load=True, device=args.device)
+                )
+            convert_gbps, copy_gbps = conversion_rate(reader, args.repeats, args.device)
             load_gbps = total / statistics.median(landing) / 1e9
             worker_gbps = total / statistics.median(in_worker) / 1e9
             same_gbps = total / statistics.median(same) / 1e9
@@ -192,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"$ {command.strip()}")
     print(
         f"writer {WRITER.name} (per-layer NHD), {args.rows} rows of {row_bytes >> 20} MiB from a warm "
-        f"LMDB, median of {args.repeats}; {platform.processor() or platform.machine()}"
+        f"LMDB, median of {args.repeats}; {platform.processor() or platform.machine()}, "
+        f"KV caches on {args.device}"
     )
     print(
         f"{'reader':<16}{'same GB/s':>10}{'landing GB/s':>13}{'ratio':>7}{'worker GB/s':>12}{'ratio':>7}"

@@ -63,12 +63,14 @@ class EngineLayout:
         """How ``canonicalize`` must read the per-block dims of these tensors."""
         return "HND" if self.kind in ("hnd", "packed-hnd") else "NHD"
 
-    def make(self, num_blocks: int) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    def make(
+        self, num_blocks: int, device: str | torch.device = "cpu"
+    ) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
         """Zeroed KV caches of ``num_blocks`` device blocks, and their one group of layers."""
         s, t = self.shape, self.block_tokens
 
         def zeros(*dims: int) -> torch.Tensor:
-            return torch.zeros(dims, dtype=s.dtype)
+            return torch.zeros(dims, dtype=s.dtype, device=device)
 
         names = [f"layer.{i}" for i in range(s.layers)]
         if self.kind == "nhd":
@@ -113,12 +115,13 @@ class EngineLayout:
         row_tokens: int,
         *,
         convert_on_load: bool | None = None,
+        device: str | torch.device = "cpu",
     ) -> tuple[Offloader, dict[str, torch.Tensor]]:
-        """An ``Offloader`` over fresh caches of this layout whose rows (keys) hold
-        ``row_tokens`` tokens, and the caches."""
+        """An ``Offloader`` over fresh caches of this layout on ``device`` whose rows (keys)
+        hold ``row_tokens`` tokens, and the caches."""
         if row_tokens % self.block_tokens:
             raise ValueError(f"{self.name}: {row_tokens} tokens per row is not a whole number of blocks")
-        kv, groups = self.make(num_blocks)
+        kv, groups = self.make(num_blocks, device)
         engine = Offloader(
             kv,
             groups,

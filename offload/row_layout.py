@@ -156,14 +156,41 @@ def convert_into(
 ) -> None:
     """Write the row ``src`` (``source`` layout) into ``dst`` in ``target`` layout: one pass.
 
-    ``src`` and ``dst`` are flat uint8 rows of one device that must not overlap."""
+    ``src`` and ``dst`` are flat uint8 rows of one device that must not overlap. On a GPU,
+    where every copy is a kernel launch, the whole row moves in one strided copy when one
+    block size divides the other (``_aligned_views``); on CPU, granule by granule (see
+    ``convert_row``)."""
     word = _word_dtype(source.head_bytes, src)
     if _word_dtype(source.head_bytes, dst) != word:
         word = torch.uint8
     src_words, dst_words = src.view(word), dst.view(word)
+    if src.is_cuda:
+        views = _aligned_views(src_words, dst_words, source, target)
+        if views is not None:
+            views[1].copy_(views[0])
+            return
     granule = min(source.block_tokens, target.block_tokens)
     for index in range(source.row_tokens // granule):
         target.granule(dst_words, index, granule).copy_(source.granule(src_words, index, granule))
+
+
+def _aligned_views(
+    src: torch.Tensor, dst: torch.Tensor, source: GroupRowLayout, target: GroupRowLayout
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both rows as ``[layers, kv, coarse blocks, fine blocks per coarse, fine tokens, heads,
+    words]`` views, the same index naming the same value in each, so one ``copy_`` converts;
+    ``None`` when neither block size divides the other."""
+    fine, coarse = sorted((source.block_tokens, target.block_tokens))
+    if coarse % fine:
+        return None
+
+    def split(row: torch.Tensor, layout: GroupRowLayout) -> torch.Tensor:
+        view = layout.token_view(row)  # [layers, kv, blocks, block tokens, heads, words]
+        if layout.block_tokens == fine:  # its blocks, grouped by the coarse layout's blocks
+            return view.unflatten(2, (-1, coarse // fine))
+        return view.unflatten(3, (-1, fine))  # its block's tokens, cut into fine blocks
+
+    return split(src, source), split(dst, target)
 
 
 def _word_dtype(head_bytes: int, row: torch.Tensor) -> torch.dtype:

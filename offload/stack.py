@@ -86,6 +86,11 @@ def _start_lower_tiers(
     mean_row = sum(host.row_bytes) // len(host.row_bytes)
     tiers = [build_tier(tier, namespace, layout_id, mean_row, readable) for tier in tier_configs]
     placements = [placement_for(tier, tier.capacity_bytes // mean_row) for tier in tier_configs]
-    engine = TierEngine(tiers, deadline_s=max(tier.deadline_s for tier in tier_configs), converter=converter)
+    engine = TierEngine(
+        tiers,
+        deadline_s=max(tier.deadline_s for tier in tier_configs),
+        converter=converter,
+        convert_on_landing=convert_on_landing,
+    )
     engine.start(memoryview(host.buffer.numpy()))
     return LowerTierChain(tiers, placements, engine)

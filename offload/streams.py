@@ -161,6 +161,51 @@ class CudaCopyStream(CopyStream):
         self._stream.synchronize()
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def pipelined(
+    device: torch.device,
+    count: int,
+    first: Callable[[int, int], object],
+    second: Callable[[int, int], object],
+    buffers: int = 2,
+) -> None:
+    """Issue ``first(i, buf)`` then ``second(i, buf)`` for ``i`` in ``range(count)``, where
+    ``buf = i % buffers`` names the buffer step ``i`` may use, so that on CUDA ``first(i + 1)``
+    runs while ``second(i)`` does (a gather kernel beside a DMA: the SMs and the copy engine
+    work at once, where one stream would leave one of them idle).
+
+    On CUDA, ``second`` runs on the current stream (the copy stream) and ``first`` on a
+    side stream; events order ``second(i)`` after ``first(i)``, and ``first(i)`` after
+    ``second(i - buffers)``, the last user of its buffer. The side stream starts after the
+    work already queued on the current stream, and everything issued later on the current
+    stream comes after every step. Elsewhere the steps simply run in order.
+    """
+    if device.type != "cuda":
+        for i in range(count):
+            first(i, i % buffers)
+            second(i, i % buffers)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = torch.cuda.Stream(device=device)
+    side.wait_stream(main)
+    released: list[torch.cuda.Event] = []
+    for i in range(count):
+        if i >= buffers:
+            side.wait_event(released[i - buffers])
+        with torch.cuda.stream(side):
+            first(i, i % buffers)
+        landed = torch.cuda.Event()
+        landed.record(side)
+        main.wait_event(landed)
+        second(i, i % buffers)
+        released.append(torch.cuda.Event())
+        released[-1].record(main)
+
+
 def make_copy_stream(device: torch.device) -> CopyStream:
     """The copy stream for tensors on ``device``."""
     if device.type == "cuda":

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from offload.layout import CanonicalKVCaches
-from offload.row_copy import RowCopier, Task
+from offload.row_copy import ForeignRowLoad, RowCopier, Task
 from offload.row_layout import RowConverter
 from offload.streams import Completion, CopyStream, make_copy_stream
 from tiers.host import HostTier
@@ -52,6 +52,14 @@ class TransferResult:
     transfer_size: int  # bytes moved
     transfer_time: float  # seconds the copy took
     is_store: bool
+
+
+@dataclass
+class _Conversions:
+    """A load's converting tasks and the bytes they move."""
+
+    tasks: list[Task] = field(default_factory=list)
+    size: int = 0
 
 
 @dataclass
@@ -116,7 +124,7 @@ class OffloadingWorker:
     ) -> bool:
         """Copy device blocks into host slots (``blocks_per_row`` blocks per slot)."""
         plan = self._plan(job_id, block_ids, slots, first_sub_rows, is_store=True)
-        return self._submit(job_id, plan, [], is_store=True)
+        return self._submit(job_id, plan, _Conversions(), is_store=True)
 
     def submit_load(
         self,
@@ -208,13 +216,14 @@ class OffloadingWorker:
         plan: list[tuple[RowCopier, list[int], list[int]]],
         slots: PerGroup,
         row_layouts: Sequence[Sequence[bytes | None]] | None,
-    ) -> tuple[list[tuple[RowCopier, list[int], list[int]]], list[tuple[int, Task]]]:
-        """Take the blocks of rows in another layout out of ``plan``: one converting task per row."""
+    ) -> tuple[list[tuple[RowCopier, list[int], list[int]]], _Conversions]:
+        """Take the blocks of rows in another layout out of ``plan`` into converting tasks."""
+        conversions = _Conversions()
         if row_layouts is None or not any(any(group) for group in row_layouts):
-            return plan, []
+            return plan, conversions
         if self.converter is None or len(row_layouts) != len(self.copiers):
             raise ValueError(f"job {job_id}: rows of other layouts, and no converter for them")
-        plain_plan, conversions = [], []
+        plain_plan = []
         for copier, blocks, rows in plan:
             group = self.copiers.index(copier)
             if len(row_layouts[group]) != len(slots[group]):
@@ -232,33 +241,30 @@ class OffloadingWorker:
             for block, row in zip(blocks, rows, strict=True):
                 if row // per in foreign:
                     by_slot.setdefault(row // per, []).append((block, row % per))
+            loads = []
             for slot, pairs in by_slot.items():
                 source = self.converter.source(group, foreign[slot])
                 if source is None:
                     raise ValueError(
                         f"job {job_id}, group {group}: slot {slot} is in a layout we cannot convert"
                     )
-                task = copier.converting_load(
-                    slot,
-                    [b for b, _ in pairs],
-                    [r for _, r in pairs],
-                    source,
-                    self.converter.own.groups[group],
-                )
-                conversions.append((len(pairs) * copier.block_bytes, task))
-        self.rows_converted += len(conversions)
+                loads.append(ForeignRowLoad(slot, [b for b, _ in pairs], [r for _, r in pairs], source))
+            if loads:
+                tasks = copier.converting_loads(loads, self.converter.own.groups[group])
+                conversions.tasks += tasks
+                conversions.size += sum(len(load.blocks) for load in loads) * copier.block_bytes
+                self.rows_converted += len(loads)
         return plain_plan, conversions
 
     def _submit(
         self,
         job_id: int,
         plan: list[tuple[RowCopier, list[int], list[int]]],
-        conversions: list[tuple[int, Task]],
+        conversions: _Conversions,
         *,
         is_store: bool,
     ) -> bool:
-        size = sum(len(blocks) * copier.block_bytes for copier, blocks, _ in plan)
-        size += sum(nbytes for nbytes, _ in conversions)
+        size = sum(len(blocks) * copier.block_bytes for copier, blocks, _ in plan) + conversions.size
         # A small job costs more to hand around a thread pool than to copy: one task.
         parallelism = self._stream.parallelism if size >= PARALLEL_MIN_BYTES else 1
         tasks = [
@@ -266,7 +272,7 @@ class OffloadingWorker:
             for copier, blocks, rows in plan
             for task in copier.tasks(blocks, rows, store=is_store, parallelism=parallelism)
         ]
-        tasks += [task for _, task in conversions]
+        tasks += conversions.tasks
         if parallelism == 1 and len(tasks) > 1:
             tasks = [partial(_run_all, tasks)]
         self._jobs[job_id] = _Job(job_id, is_store, size, self._stream.submit(tasks))

@@ -96,7 +96,9 @@ class HostTier:
         self.num_slots = num_slots
         self.pinned = cuda_available() if pin is None else pin
         self.shm_path = shm_path
-        self.buffer = _allocate(num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path)
+        self.buffer, self.pinned = _allocate(
+            num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path
+        )
         self.slabs: list[torch.Tensor] = []
         offset = 0
         for size in row_bytes:
@@ -131,9 +133,33 @@ class HostTier:
             os.unlink(self.shm_path)
 
 
-def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> torch.Tensor:
+PINNABLE_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})
+"""Filesystems whose file pages the kernel lets a driver pin for long (``FOLL_LONGTERM``)."""
+
+
+def _filesystem(path: str) -> str:
+    """The type of the filesystem holding ``path`` (from ``/proc/self/mounts``; "" if unknown)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> tuple[torch.Tensor, bool]:
+    """The tier's buffer, and whether it is pinned after all."""
     if shm_path is None:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned
     # Several processes map the same file (the scheduler and each worker): grow it to size
     # if needed, never truncate what another process may already be using.
     fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -146,9 +172,21 @@ def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> torch.Tenso
     finally:
         os.close(fd)
     buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
+    if pinned and _filesystem(shm_path) not in PINNABLE_FILESYSTEMS:
+        # Linux (>= 6.5) refuses to pin pages of a file on a disk filesystem for long: seen on
+        # an H100 server with the file under /tmp, where cudaHostRegister failed (and left an
+        # error behind for the next CUDA call). The tier still works unpinned, with device
+        # copies that wait for the host.
+        log.warning(
+            "host tier at %s is not pinned: its filesystem (%s) cannot be pinned, so device "
+            "copies will be synchronous; put the file on tmpfs (e.g. /dev/shm)",
+            shm_path,
+            _filesystem(shm_path),
+        )
+        pinned = False
     if pinned:
         # Register the mapping with the driver; torch.empty(pin_memory=True) cannot map a file.
         err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} B at {shm_path} failed: {err}")
-    return buffer
+            raise RuntimeError(f"cudaHostRegister of {nbytes} B at {shm_path} failed: error {int(err)}")
+    return buffer, pinned

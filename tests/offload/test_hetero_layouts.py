@@ -123,6 +123,8 @@ def test_every_layout_loads_every_other_layouts_prefix(stored, tier, convert_on_
         converted = engine.stats()["lower"]["rows_converted"]  # type: ignore[index]
         same = [w for w in ENGINES if w.kind == reader.kind and w.block_tokens == reader.block_tokens]
         assert converted >= STORED_ROWS * (len(ENGINES) - len(same) - 1)  # NHD<->HND-only pairs may share ids
+        # Each path converts alone: the worker on load, or the tier engine as rows land.
+        assert (engine.worker.rows_converted == converted) is convert_on_load
 
 
 @pytest.mark.parametrize("tier", ["disk", "peer"])

@@ -93,15 +93,38 @@ def test_layers_of_mixed_shapes_or_shared_bytes_stay_opaque():
     assert canonicalize(wrong_block, [["a"]], block_size=32).row_layout is None
 
 
-def test_the_worker_converts_rows_of_another_layout_as_it_loads_them():
+@pytest.mark.parametrize("path", ["cpu", "staged"])
+def test_the_worker_converts_rows_of_another_layout_as_it_loads_them(path, monkeypatch):
     """One load mixing a row in our layout (a plain copy) and rows written by an HND
-    engine with 64-token blocks, the last of them only in part (3 of its 4 blocks)."""
+    engine with 64-token blocks, the last of them only in part (3 of its 4 blocks).
+
+    ``staged``: the GPU's copies (device staging buffers, chunked and pipelined), here on
+    CPU tensors, where the pipeline's steps run in order."""
+    from functools import partial
+
+    from offload.row_copy import RowCopier
     from offload.worker import OffloadingWorker
     from tiers.host import HostTier
+
+    if path == "staged":
+        monkeypatch.setattr(
+            RowCopier,
+            "tasks",
+            lambda self, blocks, rows, *, store, parallelism=1: [
+                partial(self._staged_copy, list(blocks), list(rows), store)
+            ],
+        )
+        monkeypatch.setattr(
+            RowCopier,
+            "converting_loads",
+            lambda self, loads, target: [partial(self._staged_converting_loads, list(loads), target)],
+        )
 
     reader, writer = engine("packed", 16), engine("hnd", 64)
     logical = logical_kv(3, 4)
     own_row, own_layout = stored_row(reader, logical)
+    if path == "staged":  # one row per staging buffer: the two foreign rows alternate buffers
+        monkeypatch.setattr("offload.row_copy.STAGING_BYTES", 2 * own_layout.row_bytes)
     foreign = [stored_row(writer, logical[:, :, 64 * i :]) for i in (1, 2)]
     (foreign_row_1, writer_layout), (foreign_row_2, _) = foreign
 
@@ -140,3 +163,22 @@ def test_a_load_of_rows_in_an_unknown_layout_is_refused_before_anything_moves():
     with pytest.raises(ValueError, match="cannot convert"):
         worker.submit_load(2, [[0]], [[0]], row_layouts=[[b"\x02" * 16]])
     assert worker.get_finished() == [] and bare.get_finished() == []
+
+
+def test_the_one_copy_conversion_of_the_gpu_path_matches_the_granule_copies():
+    """On CUDA, ``convert_into`` moves a row with one strided copy where one block size
+    divides the other; it must write exactly what the granule-by-granule copies write."""
+    from itertools import product
+
+    from offload.row_layout import _aligned_views, convert_into
+
+    layouts = [GroupRowLayout(2, 2, 3, 16, t, 64 // t, order) for order in (NHD, HND) for t in (1, 4, 16, 64)]
+    for source, target in product(layouts, layouts):
+        row = torch.randint(0, 256, (source.row_bytes,), dtype=torch.uint8)
+        by_granules, by_one_copy = torch.zeros_like(row), torch.zeros_like(row)
+        convert_into(row, by_granules, source, target)
+        views = _aligned_views(row.view(torch.int64), by_one_copy.view(torch.int64), source, target)
+        assert views is not None
+        views[1].copy_(views[0])
+        assert torch.equal(by_granules, by_one_copy), (source, target)
+    assert _aligned_views(row, row.clone(), replace(layouts[0], block_tokens=3), layouts[1]) is None

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -60,3 +62,12 @@ def test_shared_memory_file_is_seen_by_another_mapping(tmp_path):
     second.close()
     host.close(unlink=True)
     assert not (tmp_path / "kvtier_host.mmap").exists()
+
+
+def test_the_filesystem_of_a_path_decides_whether_a_shared_file_can_be_pinned():
+    """Pinning a file mapping needs tmpfs or hugetlbfs (Linux refuses long pins of disk-file pages)."""
+    from tiers.host import PINNABLE_FILESYSTEMS, _filesystem
+
+    assert _filesystem("/proc/self/status") == "proc"
+    if os.path.ismount("/dev/shm"):
+        assert _filesystem("/dev/shm/kvtier_host.mmap") in PINNABLE_FILESYSTEMS
