@@ -199,6 +199,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
             layout_id=b"bench-remote-v1\0",
             token=token_file.read_bytes().strip(),
             transfer_bytes=args.transfer_bytes,
+            checksum_thread=args.checksum_thread == "on",
         )
         await tier.open(view)
         if not tier.peers_up():
@@ -264,6 +265,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
     gbps = {name: total / statistics.median(t) / 1e9 for name, t in times.items()}
     transfers = after["transfers"] - before["transfers"]
     descs = after["descriptors"] - before["descriptors"]
+    beside = after["parts_checksummed_beside"] - before["parts_checksummed_beside"]
     return {
         **ratio_figures(gbps, put_base="raw_write", get_base="raw_read"),
         # measured, not modelled: raw moved part by part, each part hashed as it lands
@@ -273,6 +275,9 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
         "get_ceiling": gbps["raw_read_checked"] / gbps["raw_read"],
         "descriptors_per_transfer": descs / transfers if transfers else 0.0,
         "transfers_per_op": transfers / (2 * args.repeats),
+        "checksum_thread": args.checksum_thread,
+        # parts hashed on the thread beside the copying one; the rest alternated with the copies
+        "parts_checksummed_beside": beside / transfers if transfers else 0.0,
         "raw_descriptors_per_transfer": rows,
         **row_figures(args),
     }
@@ -323,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2 << 20,
         help="the tier's bytes per NIXL request (2MiB)",
     )
+    parser.add_argument(
+        "--checksum-thread",
+        choices=("on", "off"),
+        default="on",
+        help="the tier hashes each part on a thread beside the copying one (on, the default) or after"
+        " the copy on the same thread (off)",
+    )
     parser.add_argument("--raw-target", type=parse_size, metavar="SIZE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # everything here is on 127.0.0.1
@@ -347,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"descriptors per transfer: tier {fig['descriptors_per_transfer']:.0f} "
         f"({fig['transfers_per_op']:.1f} transfers per op), raw {fig['raw_descriptors_per_transfer']}"
+    )
+    print(
+        f"checksum thread {fig['checksum_thread']}: {fig['parts_checksummed_beside']:.0%} of the parts hashed"
+        " beside the copies (the rest after their copy, on the copying thread)"
     )
     if args.json:
         payload = {
