@@ -391,8 +391,8 @@ class AgentThread:
         self._end(job)
         if job.batch.after is None:
             job.settle(None)
-        elif self._after is None or not self._after.offer(job):
-            _run_after(job)
+        elif self._after is None or job.batch.requests_left == 0 or not self._after.offer(job):
+            _run_after(job)  # the call's last part too: nothing is left to overlap it with
         self._reclaim(job.batch)
 
     def _end(self, job: _Transfer, outcome: Any = _NO_OUTCOME) -> None:

@@ -62,6 +62,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -510,7 +511,7 @@ class RemoteTier(LowerTier):
             if isinstance(outcome, BaseException):
                 raise outcome
         self._counters["bytes_written"] += sum(len(views[i]) for i, _ in writes)
-        checksums = [checksum for part_sums in outcomes for checksum in part_sums]  # type: ignore[attr-defined]
+        checksums = [checksum for part_sums in cast(list[list[int]], outcomes) for checksum in part_sums]
         return [
             RowHeader(self.layout_id, len(views[i]), checksum).pack()
             for (i, _), checksum in zip(writes, checksums, strict=True)
