@@ -166,6 +166,7 @@ async def test_a_stuck_hook_thread_holds_no_call_up(pair):
 
     try:
         for _ in range(50):  # until a hook lands on the thread beside (it may run inline)
+            agent._serial_calls = 0  # offer parts, however crowded the last call found the cores
             first = agent.transfer(
                 "WRITE",
                 rows_of(src, list(range(ROWS))),
@@ -193,4 +194,28 @@ async def test_a_stuck_hook_thread_holds_no_call_up(pair):
         assert len(threads) == 4 and not any(t.startswith("nixl-after-") for t in threads)
     finally:
         release.set()
+    assert np.array_equal(dst, src)
+
+
+async def test_calls_after_a_crowded_one_run_their_hooks_on_the_agent_thread(pair):
+    """Once a call found no core free for the thread beside (``_serial_calls`` set), the
+    next calls run every hook on the agent's thread, then the thread beside is tried again."""
+    agent, name, src, dst = pair
+    if agent._after is None:
+        pytest.skip("no thread beside the agent's")
+    agent._serial_calls = 2  # as set on the agent's thread after a crowded call
+    for _ in range(2):
+        threads: list[str] = []
+        future = agent.transfer(
+            "WRITE",
+            rows_of(src, list(range(ROWS))),
+            rows_of(dst, list(range(ROWS))),
+            [1] * ROWS,
+            name,
+            time.monotonic() + 5,
+            after=lambda k, threads=threads: threads.append(threading.current_thread().name) or k,
+        )
+        assert await settle(future) == list(range(ROWS))
+        assert len(threads) == ROWS and not any(t.startswith("nixl-after-") for t in threads)
+    assert agent._serial_calls == 0  # counted down (a call that offers nothing measures nothing)
     assert np.array_equal(dst, src)
