@@ -332,7 +332,12 @@ class AgentThread:
         self._serial_calls = max(0, self._serial_calls - 1)
         wall, cpu = time.perf_counter(), time.thread_time()
         self._post(job, inflight)
-        if job.offer and len(job.parts) >= _BESIDE_MIN_PARTS and job.requests_left == 0:
+        if (
+            job.offer
+            and job.after is not None
+            and len(job.parts) >= _BESIDE_MIN_PARTS
+            and job.requests_left == 0
+        ):
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             if cpu < _BESIDE_MIN_CPU * wall:
                 self._serial_calls = _SERIAL_CALLS
