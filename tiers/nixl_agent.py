@@ -50,14 +50,17 @@ T = TypeVar("T")
 _POLL_MAX_SLEEP_S = 1e-3
 # The after-thread helps only where it runs beside the agent's thread, not instead of it.
 # A call whose copies all ran inside ``transfer()`` (CMA) while the agent's thread was on a
-# CPU less than this share of the time (set aside for the after-thread or for other work:
-# no core was free) makes the next calls keep their parts' work on the agent's thread, where
-# the rows are in cache (measured on the shared 2-core VM: the after-thread there cost ~1-2
-# ms of CPU per 128 MiB call, hashing rows from L3 instead of L2, and overlapped nothing;
-# the agent's thread was on a CPU 0.55-0.95 of the time, median 0.79). Then it tries again.
+# CPU less than ``_BESIDE_MIN_CPU`` of the time (set aside for the after-thread or for other
+# work: no core was free) makes the next calls keep their parts' work on the agent's thread,
+# where the rows are in cache: ``_SERIAL_CALLS`` calls, doubling (up to ``_MAX_SERIAL_CALLS``)
+# while each try finds the cores as crowded. Measured on the shared 2-core VM with every call
+# offering its parts: the after-thread cost 1-2 ms more CPU per 128 MiB call (rows hashed
+# from L3 instead of L2), overlapped nothing, and the agent's thread was on a CPU 0.55-0.95
+# of the time (median 0.79); on a core of its own it is there all the time.
 _BESIDE_MIN_PARTS = 4  # a call of fewer parts measures nothing
 _BESIDE_MIN_CPU = 0.8
-_SERIAL_CALLS = 8  # calls that keep their work on the agent's thread before the next try
+_SERIAL_CALLS = 8
+_MAX_SERIAL_CALLS = 256
 
 
 class TransferError(Exception):
@@ -189,9 +192,10 @@ class AgentThread:
     (the hash releases the GIL). With ``after_thread`` (the default) that thread exists and
     takes a part whenever it keeps up (``_AfterThread``); a part it cannot take at once runs
     here, right after its copy, as all do without it. A call during which this thread was
-    kept off the CPU (``_BESIDE_MIN_CPU``: no core was free for both) makes the next
-    ``_SERIAL_CALLS`` calls run their parts' work here. Over a transport that returns PROC
-    (TCP, RDMA), the after-thread also keeps the polling going while parts are hashed.
+    kept off the CPU (``_BESIDE_MIN_CPU``: no core was free for both) makes the next calls
+    (``_SERIAL_CALLS``, doubling while the cores stay crowded) run their parts' work here.
+    Over a transport that returns PROC (TCP, RDMA), the after-thread also keeps the polling
+    going while parts are hashed.
     """
 
     def __init__(self, name: str, *, after_thread: bool = True) -> None:
@@ -202,6 +206,7 @@ class AgentThread:
         self._agent: nixl_agent | None = None
         self._after: _AfterThread | None = _AfterThread(f"nixl-after-{name}") if after_thread else None
         self._serial_calls = 0  # calls left that keep their after work here (agent thread only)
+        self._serial_span = _SERIAL_CALLS  # how many the next crowded call sets
 
     @property
     def parts_after_beside(self) -> int:
@@ -340,7 +345,10 @@ class AgentThread:
         ):
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             if cpu < _BESIDE_MIN_CPU * wall:
-                self._serial_calls = _SERIAL_CALLS
+                self._serial_calls = self._serial_span
+                self._serial_span = min(2 * self._serial_span, _MAX_SERIAL_CALLS)
+            else:
+                self._serial_span = _SERIAL_CALLS
             log.debug(
                 "%s: %d parts, agent thread on CPU %.2f of the time", self.name, len(job.parts), cpu / wall
             )

@@ -219,3 +219,42 @@ async def test_calls_after_a_crowded_one_run_their_hooks_on_the_agent_thread(pai
         assert len(threads) == ROWS and not any(t.startswith("nixl-after-") for t in threads)
     assert agent._serial_calls == 0  # counted down (a call that offers nothing measures nothing)
     assert np.array_equal(dst, src)
+
+
+async def test_crowded_calls_keep_hooks_on_the_agent_thread_for_longer_and_longer(pair, monkeypatch):
+    """A call during which the agent's thread got no CPU time (as where no core is free
+    beside it) sets the next calls to hash on it, twice as many each time; a call on a CPU
+    all along starts over."""
+    agent, name, src, dst = pair
+    if agent._after is None:
+        pytest.skip("no thread beside the agent's")
+
+    async def offering_call_until(measured) -> None:
+        # only a call whose parts all copied inside transfer() is measured; the first ones
+        # towards a new remote agent wait for its wire-up (PROC)
+        for _ in range(50):
+            agent._serial_calls = 0
+            future = agent.transfer(
+                "WRITE",
+                rows_of(src, list(range(ROWS))),
+                rows_of(dst, list(range(ROWS))),
+                [1] * ROWS,
+                name,
+                time.monotonic() + 5,
+                after=lambda k: k,
+            )
+            assert await settle(future) == list(range(ROWS))
+            await agent.call(lambda a: None, 5)  # the agent's thread is past that call's measure
+            if measured():
+                return
+        raise AssertionError("no call was measured")
+
+    monkeypatch.setattr(time, "thread_time", lambda: 0.0)  # never on a CPU
+    await offering_call_until(lambda: agent._serial_calls > 0)
+    assert (agent._serial_calls, agent._serial_span) == (8, 16)
+    await offering_call_until(lambda: agent._serial_calls > 0)
+    assert (agent._serial_calls, agent._serial_span) == (16, 32)
+    monkeypatch.setattr(time, "thread_time", time.perf_counter)  # on a CPU all along
+    await offering_call_until(lambda: agent._serial_span == 8)
+    assert agent._serial_calls == 0
+    assert np.array_equal(dst, src)
