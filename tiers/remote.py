@@ -19,17 +19,19 @@ How a batch moves (per owner peer, all owners concurrently):
   ``keys_per_request`` keys) keeps two of them in flight: one's messages travel while the
   other's rows move.
 
-Checksums overlap the copies. On loopback UCX copies with CMA inside ``transfer()`` on the
-agent's thread (``tiers/nixl_agent.py``), so a second thread hashes part k (a put hashes the
-rows it just wrote, a get verifies the rows it just read) while the agent's thread copies
-part k+1; the hash releases the GIL (``tiers/fast_checksum.py``) and finds the part's rows
-still in cache (xxh3 runs at about twice its speed there), so parts are small
-(``transfer_bytes``, 2 MiB by default). All parts of one call go to the agent's thread as
-one job. With ``checksum_thread=False`` copy and hash alternate on the agent's thread
-instead (measured on a 2-core machine shared with other work, the two come out about even
-there; where a core is free the overlap hides the hash). Rows should be 64-byte aligned, as
-torch allocations are: a copy between addresses that differ mod 64 runs at half speed (the
-peer's slots are 2 MiB aligned).
+Checksums overlap the copies where a core is free for it. On loopback UCX copies with CMA
+inside ``transfer()`` on the agent's thread (``tiers/nixl_agent.py``), so a second thread
+hashes part k (a put hashes the rows it just wrote, a get verifies the rows it just read)
+while the agent's thread copies part k+1; the hash releases the GIL
+(``tiers/fast_checksum.py``) and finds the part's rows still in cache (xxh3 runs at about
+twice its speed there), so parts are small (``transfer_bytes``, 2 MiB by default). All
+parts of one call go to the agent's thread as one job. A part goes to the second thread
+only while it keeps up, and calls after one that found no core free for it hash on the
+agent's thread, right after each copy, as all do with ``checksum_thread=False`` (measured
+on a 2-core machine shared with other work: there the second thread overlapped nothing and
+cost CPU, so the tier falls back and the two settings measure the same). Rows should be
+64-byte aligned, as torch allocations are: a copy between addresses that differ mod 64
+runs at half speed (the peer's slots are 2 MiB aligned).
 
 Every call has one deadline (``deadline_s``, default 2 s) covering the control messages and
 the transfers. A peer that fails to answer in time, closes its connection, or fails a
