@@ -478,13 +478,14 @@ class _AfterThread:
     The agent's thread *offers* each part as it lands. The offer is taken only if no part is
     waiting for this thread; otherwise this thread is behind (or not scheduled: other work
     holds the cores) and the agent's thread runs the part itself, at once, while the copy
-    has left its rows in cache. Once a batch's parts are posted, the agent's thread
-    *reclaims* what this thread has not finished: the part waiting here, and the part it is
-    running, which the agent's thread runs a second time (``after`` is pure and a part's
-    first outcome counts), because the scheduler may have set this thread aside mid-part
-    for milliseconds. So with a core to spare, hashing hides behind the copies; with none,
-    copy and hash alternate on the agent's thread as they would without this thread, and no
-    call waits for a thread that does not run.
+    has left its rows in cache; so does a call's last part (nothing is left to overlap it
+    with). Once no request of a call is in flight, the agent's thread *reclaims* what this
+    thread has not finished: the part waiting here, and the part it is running, which the
+    agent's thread runs a second time (``after`` is pure and a part's first outcome counts),
+    because the scheduler may have set this thread aside mid-part for milliseconds. So with
+    a core to spare, hashing hides behind the copies; with none, copy and hash alternate on
+    the agent's thread as they would without this thread (``AgentThread`` then stops
+    offering for a while), and no call waits for a thread that does not run.
     """
 
     def __init__(self, name: str) -> None:
