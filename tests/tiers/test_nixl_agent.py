@@ -12,6 +12,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -148,6 +149,34 @@ async def test_parts_must_cover_the_descriptors(pair):
     )
 
 
+def write_each(agent: AgentThread, name: str, src, dst, rows: list[int], after, seconds: float = 5.0):
+    """WRITE ``rows`` of ``src`` to the same rows of ``dst``, one part per row."""
+    return agent.transfer(
+        "WRITE",
+        rows_of(src, rows),
+        rows_of(dst, rows),
+        [1] * len(rows),
+        name,
+        time.monotonic() + seconds,
+        after=after,
+    )
+
+
+def recording_threads() -> tuple[list[str], Callable[[int], int]]:
+    """A hook that returns its part's index, and the names of the threads it ran on."""
+    threads: list[str] = []
+
+    def after(k: int) -> int:
+        threads.append(threading.current_thread().name)
+        return k
+
+    return threads, after
+
+
+def beside(threads: list[str]) -> bool:
+    return any(t.startswith("nixl-after-") for t in threads)
+
+
 async def test_a_stuck_hook_thread_holds_no_call_up(pair):
     """While the thread beside the agent's is stuck in a hook (as if the scheduler had set it
     aside), every call still completes: the agent's thread runs the hooks of its parts, the
@@ -158,7 +187,7 @@ async def test_a_stuck_hook_thread_holds_no_call_up(pair):
     stuck, release = threading.Event(), threading.Event()
 
     def block_beside(k: int) -> str:
-        if threading.current_thread().name.startswith("nixl-after-"):
+        if beside([threading.current_thread().name]):
             stuck.set()
             release.wait(10)
             return "beside"
@@ -167,31 +196,14 @@ async def test_a_stuck_hook_thread_holds_no_call_up(pair):
     try:
         for _ in range(50):  # until a hook lands on the thread beside (it may run inline)
             agent._serial_calls = 0  # offer parts, however crowded the last call found the cores
-            first = agent.transfer(
-                "WRITE",
-                rows_of(src, list(range(ROWS))),
-                rows_of(dst, list(range(ROWS))),
-                [1] * ROWS,
-                name,
-                time.monotonic() + 20,
-                after=block_beside,
-            )
-            assert await asyncio.wait_for(asyncio.wrap_future(first), 5) == ["inline"] * ROWS
+            first = write_each(agent, name, src, dst, list(range(ROWS)), block_beside, seconds=20)
+            assert await settle(first) == ["inline"] * ROWS
             if await asyncio.to_thread(stuck.wait, 0.05):
                 break
         assert stuck.is_set(), "no hook ever ran beside the agent's thread"
-        threads: list[str] = []
-        second = agent.transfer(
-            "WRITE",
-            rows_of(src, [1, 2, 3, 4]),
-            rows_of(dst, [1, 2, 3, 4]),
-            [1, 1, 1, 1],
-            name,
-            time.monotonic() + 5,
-            after=lambda k: threads.append(threading.current_thread().name) or k,
-        )
-        assert await asyncio.wait_for(asyncio.wrap_future(second), 5) == [0, 1, 2, 3]
-        assert len(threads) == 4 and not any(t.startswith("nixl-after-") for t in threads)
+        threads, after = recording_threads()
+        assert await settle(write_each(agent, name, src, dst, [1, 2, 3, 4], after)) == [0, 1, 2, 3]
+        assert len(threads) == 4 and not beside(threads)
     finally:
         release.set()
     assert np.array_equal(dst, src)
@@ -205,18 +217,9 @@ async def test_calls_after_a_crowded_one_run_their_hooks_on_the_agent_thread(pai
         pytest.skip("no thread beside the agent's")
     agent._serial_calls = 2  # as set on the agent's thread after a crowded call
     for _ in range(2):
-        threads: list[str] = []
-        future = agent.transfer(
-            "WRITE",
-            rows_of(src, list(range(ROWS))),
-            rows_of(dst, list(range(ROWS))),
-            [1] * ROWS,
-            name,
-            time.monotonic() + 5,
-            after=lambda k, threads=threads: threads.append(threading.current_thread().name) or k,
-        )
-        assert await settle(future) == list(range(ROWS))
-        assert len(threads) == ROWS and not any(t.startswith("nixl-after-") for t in threads)
+        threads, after = recording_threads()
+        assert await settle(write_each(agent, name, src, dst, list(range(ROWS)), after)) == list(range(ROWS))
+        assert len(threads) == ROWS and not beside(threads)
     assert agent._serial_calls == 0  # counted down (a call that offers nothing measures nothing)
     assert np.array_equal(dst, src)
 
@@ -229,21 +232,15 @@ async def test_crowded_calls_keep_hooks_on_the_agent_thread_for_longer_and_longe
     if agent._after is None:
         pytest.skip("no thread beside the agent's")
 
-    async def offering_call_until(measured) -> None:
+    async def offering_call_until(measured: Callable[[], bool]) -> None:
         # only a call whose parts all copied inside transfer() is measured; the first ones
         # towards a new remote agent wait for its wire-up (PROC)
         for _ in range(50):
             agent._serial_calls = 0
-            future = agent.transfer(
-                "WRITE",
-                rows_of(src, list(range(ROWS))),
-                rows_of(dst, list(range(ROWS))),
-                [1] * ROWS,
-                name,
-                time.monotonic() + 5,
-                after=lambda k: k,
+            _, after = recording_threads()
+            assert await settle(write_each(agent, name, src, dst, list(range(ROWS)), after)) == list(
+                range(ROWS)
             )
-            assert await settle(future) == list(range(ROWS))
             await agent.call(lambda a: None, 5)  # the agent's thread is past that call's measure
             if measured():
                 return
