@@ -97,6 +97,7 @@ class TierConfig:
     path: str | None = None  # disk
     peers: tuple[str, ...] = ()  # remote
     token_file: str | None = None  # remote
+    checksum_thread: bool = True  # remote: hash each part beside the copies (False: after each copy)
     deadline_s: float = 2.0  # remote, mooncake
     mooncake: MooncakeConfig | None = None
 
@@ -119,7 +120,7 @@ _COMMON_KEYS = {"kind", "capacity", "eviction", "eviction_params"}
 _KIND_KEYS = {
     "host": set(),
     "disk": {"path", "placement", "admission", "promotion"},
-    "remote": {"peers", "token_file", "deadline_s", "placement", "admission", "promotion"},
+    "remote": {"peers", "token_file", "deadline_s", "checksum_thread", "placement", "admission", "promotion"},
     "mooncake": {
         "master",
         "metadata_server",
@@ -229,7 +230,16 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
         token_file = raw.get("token_file")
         if token_file is not None and not isinstance(token_file, str):
             raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
-        tier = replace(tier, peers=tuple(peers), deadline_s=float(deadline), token_file=token_file)
+        checksum_thread = raw.get("checksum_thread", True)
+        if not isinstance(checksum_thread, bool):
+            raise ConfigError(f"{where}.checksum_thread = {checksum_thread!r}: expected true or false")
+        tier = replace(
+            tier,
+            peers=tuple(peers),
+            deadline_s=float(deadline),
+            token_file=token_file,
+            checksum_thread=checksum_thread,
+        )
     if kind == "mooncake":
         tier = _parse_mooncake(raw, tier, where)
     return tier

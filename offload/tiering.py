@@ -84,6 +84,7 @@ def build_tier(
             token=_read_token(tier.token_file),
             deadline_s=tier.deadline_s,
             readable_layouts=readable_layouts,
+            checksum_thread=tier.checksum_thread,
         )
     if tier.kind == "mooncake" and tier.mooncake is not None:
         from tiers.mooncake import MooncakeTier

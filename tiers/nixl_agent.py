@@ -25,6 +25,7 @@ device, the module has nothing to offer.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -47,6 +48,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _POLL_MAX_SLEEP_S = 1e-3
+# The after-thread helps only where it runs beside the agent's thread, not instead of it.
+# A call whose copies all ran inside ``transfer()`` (CMA) while the agent's thread was on a
+# CPU less than ``_BESIDE_MIN_CPU`` of the time (set aside for the after-thread or for other
+# work: no core was free) makes the next calls keep their parts' work on the agent's thread,
+# where the rows are in cache: ``_SERIAL_CALLS`` calls, doubling (up to ``_MAX_SERIAL_CALLS``)
+# while each try finds the cores as crowded. Measured on the shared 2-core VM with every call
+# offering its parts: the after-thread cost 1-2 ms more CPU per 128 MiB call (rows hashed
+# from L3 instead of L2), overlapped nothing, and the agent's thread was on a CPU 0.55-0.95
+# of the time (median 0.79); on a core of its own it is there all the time.
+_BESIDE_MIN_PARTS = 4  # a call of fewer parts measures nothing
+_BESIDE_MIN_CPU = 0.8
+_SERIAL_CALLS = 8
+_MAX_SERIAL_CALLS = 256
 
 
 class TransferError(Exception):
@@ -78,12 +92,18 @@ class _Call:
 
 @dataclass(eq=False)
 class _Batch:
-    """The parts of one ``transfer``: posted by one job, resolved by one future once no part
-    is in flight any more (so the event loop wakes once per call, not once per part).
+    """The parts of one ``transfer``: posted by one job, resolved by one future once every
+    part has its outcome (so the event loop wakes once per call, not once per part).
 
     Both descriptor lists are prepared once per call (``prep_xfer_dlist``) and each part is
     a range of them (``make_prepped_xfer``): measured, a few percent faster than building
-    each part's request from its own lists when a call has tens of parts."""
+    each part's request from its own lists when a call has tens of parts.
+
+    Outcomes come from two threads (the agent's, and the one that runs ``after`` beside it),
+    so ``pending`` and each part's ``settled`` are kept under ``lock``; ``requests_left`` is
+    the agent thread's alone: when it reaches 0 no request uses the prepared lists any more,
+    and that thread releases them (a NIXL object is only ever touched by the agent's thread).
+    """
 
     op: str  # "READ" or "WRITE", seen from the local side
     local: np.ndarray  # Nx3, every row of the call
@@ -95,17 +115,18 @@ class _Batch:
     parts: list[_Transfer] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)
     pending: int = 0
+    requests_left: int = 0
     prepared: tuple[Any, Any] | None = None  # the two prepped descriptor lists
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    offer: bool = False  # whether its parts' after work may go to the after-thread
 
-    def settle(self, index: int, outcome: Any) -> None:
-        self.results[index] = outcome
-        self.pending -= 1
-        if self.pending == 0:
-            if self.prepared is not None:  # no request of this call is left to use them
-                for side in self.prepared:
-                    quietly(side.release)
-                self.prepared = None
-            self.future.set_result(self.results)
+    def request_ended(self) -> None:
+        """On the agent's thread: one more part's NIXL request is over (or was never posted)."""
+        self.requests_left -= 1
+        if self.requests_left == 0 and self.prepared is not None:
+            for side in self.prepared:
+                quietly(side.release)
+            self.prepared = None
 
 
 @dataclass(eq=False)
@@ -118,6 +139,7 @@ class _Transfer:
     stop: int
     handle: Any = None
     settled: bool = False
+    ended: bool = False  # the request is over (agent thread only)
 
     @property
     def op(self) -> str:
@@ -132,13 +154,22 @@ class _Transfer:
         return self.batch.deadline
 
     def settle(self, outcome: Any) -> None:
-        """Report this part's outcome to its batch, once (later reports are ignored)."""
-        if not self.settled:
+        """Report this part's outcome to its batch, once (later reports are ignored); from
+        either thread."""
+        batch = self.batch
+        with batch.lock:
+            if self.settled:
+                return
             self.settled = True
-            self.batch.settle(self.index, outcome)
+            batch.results[self.index] = outcome
+            batch.pending -= 1
+            done = batch.pending == 0
+        if done:
+            batch.future.set_result(batch.results)
 
 
 _STOP = object()
+_NO_OUTCOME = object()
 
 
 class AgentThread:
@@ -146,26 +177,47 @@ class AgentThread:
 
     ``submit``/``call`` run a function of the agent on that thread; ``transfer`` posts the
     parts of one call (one NIXL request each) as one job and resolves once every part is
-    DONE, failed, or past its deadline. Each part may carry work for the same thread right
-    after it is DONE (the remote tier checksums the part's rows there, while the copy has
-    left them in cache). One job and one future per call, not per part, because every
-    hand-off between threads costs a wake-up (tens to hundreds of microseconds on a
-    loaded VM), and a second thread hashing beside the copying one measured slower here.
-    Between jobs the thread polls the requests in flight (``check_xfer_state`` never
-    blocks), backing off from a few microseconds to 1 ms while nothing completes, and
-    sleeps on its queue when nothing is in flight.
+    DONE (and its ``after`` work has run), failed, or past its deadline. One job and one
+    future per call, not per part, because every hand-off between threads costs a wake-up
+    (tens to hundreds of microseconds on a loaded VM). Between jobs the thread polls the
+    requests in flight (``check_xfer_state`` never blocks), backing off from a few
+    microseconds to 1 ms while nothing completes, and sleeps on its queue when nothing is in
+    flight.
+
+    Each part may carry work to run once it is DONE (the remote tier checksums the part's
+    rows). On loopback, UCX copies with CMA (``process_vm_readv``/``writev``) inside
+    ``transfer()`` on this thread, which returns DONE after the copy (measured: 2 MiB parts,
+    never PROC): posting part k+1 before hashing part k therefore overlaps nothing, the post
+    *is* the copy. Only another thread hashing part k while this one copies part k+1 does
+    (the hash releases the GIL). With ``after_thread`` (the default) that thread exists and
+    takes a part whenever it keeps up (``_AfterThread``); a part it cannot take at once runs
+    here, right after its copy, as all do without it. A call during which this thread was
+    kept off the CPU (``_BESIDE_MIN_CPU``: no core was free for both) makes the next calls
+    (``_SERIAL_CALLS``, doubling while the cores stay crowded) run their parts' work here.
+    Over a transport that returns PROC (TCP, RDMA), the after-thread also keeps the polling
+    going while parts are hashed.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, after_thread: bool = True) -> None:
         self.name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._agent: nixl_agent | None = None
+        self._after: _AfterThread | None = _AfterThread(f"nixl-after-{name}") if after_thread else None
+        self._serial_calls = 0  # calls left that keep their after work here (agent thread only)
+        self._serial_span = _SERIAL_CALLS  # how many the next crowded call sets
+
+    @property
+    def parts_after_beside(self) -> int:
+        """How many parts' ``after`` work ran on the after-thread (not on the agent's)."""
+        return self._after.parts_run if self._after is not None else 0
 
     async def start(self, timeout: float) -> None:
         """Create the agent on its thread (the first UCX agent of a process takes ~0.5 s)."""
         self._thread.start()
+        if self._after is not None:
+            self._after.start()
         await asyncio.wait_for(asyncio.wrap_future(self._ready), timeout)
 
     def submit(self, fn: Callable[[nixl_agent], T]) -> concurrent.futures.Future[T]:
@@ -189,13 +241,16 @@ class AgentThread:
         after: Callable[[int], Any] | None = None,
     ) -> concurrent.futures.Future[list[Any]]:
         """Post ``op`` of the Nx3 descriptor arrays ``local`` -> ``remote`` as one NIXL request
-        per part (``part_sizes`` descriptors each, in order), each part followed on this
-        thread by ``after(k)`` once part ``k`` is DONE.
+        per part (``part_sizes`` descriptors each, in order), each part followed by
+        ``after(k)`` once part ``k`` is DONE (on the after-thread or on the agent's thread;
+        ``after`` must not touch the agent, and must be pure: it may run twice for a part,
+        and the first outcome counts).
 
         The future resolves once every part has finished, failed or timed out, to one
         outcome per part: ``after(k)``'s result (``None`` without ``after``), or the
-        ``TransferError`` (``TransferTimeout``) or exception of ``after`` that failed it. Once
-        a part fails to post, the parts after it are not posted (they fail alike).
+        ``TransferError`` (``TransferTimeout``) or exception of ``after`` that failed it. When
+        it resolves, no request of the call is in flight any more. Once a part fails to
+        post, the parts after it are not posted (they fail alike).
         """
         if sum(part_sizes) != len(local) or len(local) != len(remote):
             raise ValueError(
@@ -208,7 +263,7 @@ class AgentThread:
             batch.parts.append(_Transfer(batch, k, start, start + size))
             start += size
         batch.results = [None] * len(batch.parts)
-        batch.pending = len(batch.parts)
+        batch.pending = batch.requests_left = len(batch.parts)
         if not batch.parts:
             future.set_result([])
         else:
@@ -216,12 +271,14 @@ class AgentThread:
         return future
 
     def close(self, timeout: float = 5.0) -> None:
-        """Fail what is in flight, drop the agent and stop the thread (blocking, bounded)."""
+        """Fail what is in flight, drop the agent and stop the threads (blocking, bounded)."""
         if self._thread.is_alive():
             self._jobs.put(_STOP)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("NIXL agent %s: its thread did not stop within %.1f s", self.name, timeout)
+        if self._after is not None:
+            self._after.close(timeout)
 
     # -- the agent's thread ---------------------------------------------------------------
 
@@ -252,12 +309,10 @@ class AgentThread:
                 log.exception("NIXL agent %s: failing the transfers in flight", self.name)
                 stranded = [*inflight, *(job.parts if isinstance(job, _Batch) else ())]
                 for xfer in stranded:
-                    self._release(xfer)
-                    xfer.settle(TransferError("agent thread error"))
+                    self._end(xfer, TransferError("agent thread error"))
                 inflight.clear()
         for xfer in inflight:
-            self._release(xfer)
-            xfer.settle(TransferError("agent closed"))
+            self._end(xfer, TransferError("agent closed"))
         while True:  # jobs queued behind the stop
             try:
                 job = self._jobs.get_nowait()
@@ -278,12 +333,36 @@ class AgentThread:
             except Exception as exc:
                 job.future.set_exception(exc)
             return
+        job.offer = self._after is not None and self._serial_calls == 0
+        self._serial_calls = max(0, self._serial_calls - 1)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self._post(job, inflight)
+        if (
+            job.offer
+            and job.after is not None
+            and len(job.parts) >= _BESIDE_MIN_PARTS
+            and job.requests_left == 0
+        ):
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+            if cpu < _BESIDE_MIN_CPU * wall:
+                self._serial_calls = self._serial_span
+                self._serial_span = min(2 * self._serial_span, _MAX_SERIAL_CALLS)
+            else:
+                self._serial_span = _SERIAL_CALLS
+            log.debug(
+                "%s: %d parts, agent thread on CPU %.2f of the time", self.name, len(job.parts), cpu / wall
+            )
+
+    def _post(self, job: _Batch, inflight: list[_Transfer]) -> None:
+        """Post ``job``'s parts, one NIXL request each (over CMA each copies at once)."""
+        agent = self._agent
+        assert agent is not None
         failed = self._prepare(job)
         for part in job.parts:
             if failed is None and time.monotonic() >= part.deadline:
                 failed = TransferTimeout(f"{part.op} to {part.remote_agent}: deadline passed")
             if failed is not None:
-                part.settle(failed)
+                self._end(part, failed)
                 continue
             try:
                 local_side, remote_side = job.prepared  # type: ignore[misc]
@@ -291,9 +370,8 @@ class AgentThread:
                 part.handle = agent.make_prepped_xfer(job.op, local_side, indices, remote_side, indices)
                 state = agent.transfer(part.handle)
             except Exception as exc:
-                self._release(part)
                 failed = TransferError(f"{part.op} to {part.remote_agent}: {exc}")
-                part.settle(failed)
+                self._end(part, failed)
                 continue
             if state == "PROC":
                 inflight.append(part)
@@ -340,8 +418,7 @@ class AgentThread:
         for name in timed_out:  # release every handle towards that agent, then remove it
             for job in [j for j in inflight if j.remote_agent == name]:
                 inflight.remove(job)
-                self._release(job)
-                job.settle(TransferTimeout(f"{job.op} to {name}: no completion by its deadline"))
+                self._end(job, TransferTimeout(f"{job.op} to {name}: no completion by its deadline"))
             try:
                 agent.remove_remote_agent(name)
             except Exception as exc:
@@ -350,24 +427,119 @@ class AgentThread:
         return progressed
 
     def _finish(self, job: _Transfer, state: str) -> None:
-        self._release(job)
+        """Part ``job``'s request is over in ``state``: settle it, or hand it to ``after``."""
         if state != "DONE":
-            job.settle(TransferError(f"{job.op} to {job.remote_agent}: {state}"))
+            self._end(job, TransferError(f"{job.op} to {job.remote_agent}: {state}"))
             return
-        after = job.batch.after
-        try:
-            job.settle(after(job.index) if after is not None else None)
-        except Exception as exc:
-            job.settle(exc)
+        self._end(job)
+        if job.batch.after is None:
+            job.settle(None)
+        elif not job.batch.offer or job.batch.requests_left == 0 or not self._after.offer(job):  # type: ignore[union-attr]
+            _run_after(job)  # the call's last part too: nothing is left to overlap it with
+        self._reclaim(job.batch)
 
-    def _release(self, job: _Transfer) -> None:
-        if job.handle is None:
-            return
-        handle, job.handle = job.handle, None
-        try:
-            handle.release()
-        except Exception as exc:  # an unfinished transfer: NIXL keeps the handle on its leak list
-            log.debug("releasing a %s handle towards %s: %s", job.op, job.remote_agent, exc)
+    def _end(self, job: _Transfer, outcome: Any = _NO_OUTCOME) -> None:
+        """On the agent's thread: ``job``'s request is over (release its handle, and the
+        call's prepared lists after its last part); settle it with ``outcome``, if given."""
+        if job.handle is not None:
+            handle, job.handle = job.handle, None
+            try:
+                handle.release()
+            except Exception as exc:  # an unfinished transfer: NIXL keeps the handle on its leak list
+                log.debug("releasing a %s handle towards %s: %s", job.op, job.remote_agent, exc)
+        if not job.ended:
+            job.ended = True
+            job.batch.request_ended()
+        if outcome is not _NO_OUTCOME:
+            job.settle(outcome)
+            self._reclaim(job.batch)
+
+    def _reclaim(self, batch: _Batch) -> None:
+        """Once no request of ``batch`` is in flight, run here what the after-thread has not
+        finished: no call waits for a thread that the scheduler may have set aside."""
+        if self._after is not None and batch.requests_left == 0:
+            for part in self._after.reclaim():
+                _run_after(part)
+
+
+def _run_after(part: _Transfer) -> None:
+    """Settle ``part`` with its batch's ``after(k)``, or with the exception it raised."""
+    try:
+        outcome = part.batch.after(part.index)  # type: ignore[misc]
+    except Exception as exc:
+        outcome = exc
+    part.settle(outcome)
+
+
+class _AfterThread:
+    """A thread that runs parts' ``after`` work beside the agent's thread, never touching the
+    agent, and never more than one part behind it.
+
+    The agent's thread *offers* each part as it lands. The offer is taken only if no part is
+    waiting for this thread; otherwise this thread is behind (or not scheduled: other work
+    holds the cores) and the agent's thread runs the part itself, at once, while the copy
+    has left its rows in cache; so does a call's last part (nothing is left to overlap it
+    with). Once no request of a call is in flight, the agent's thread *reclaims* what this
+    thread has not finished: the part waiting here, and the part it is running, which the
+    agent's thread runs a second time (``after`` is pure and a part's first outcome counts),
+    because the scheduler may have set this thread aside mid-part for milliseconds. So with
+    a core to spare, hashing hides behind the copies; with none, copy and hash alternate on
+    the agent's thread as they would without this thread (``AgentThread`` then stops
+    offering for a while), and no call waits for a thread that does not run.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[_Transfer] = collections.deque()
+        self._wake = threading.Semaphore(0)
+        self._stopping = False
+        self._running: _Transfer | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.parts_run = 0  # how many parts' work this thread ran (the rest ran on the agent's)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, part: _Transfer) -> bool:
+        """On the agent's thread: queue ``part`` unless a part is waiting already (``False``:
+        the caller runs it)."""
+        with self._lock:
+            if self._waiting:
+                return False
+            self._waiting.append(part)
+        self._wake.release()
+        return True
+
+    def reclaim(self) -> list[_Transfer]:
+        """On the agent's thread: the parts this thread has not finished (the caller runs them)."""
+        with self._lock:
+            parts = list(self._waiting)
+            self._waiting.clear()
+            running = self._running
+        if running is not None and not running.settled:
+            parts.append(running)
+        return parts
+
+    def close(self, timeout: float) -> None:
+        """Run what is waiting, then stop (blocking, bounded)."""
+        if self._thread.is_alive():
+            self._stopping = True
+            self._wake.release()
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.acquire()
+            while True:
+                with self._lock:
+                    part = self._running = self._waiting.popleft() if self._waiting else None
+                if part is None:
+                    break
+                _run_after(part)
+                self._running = None
+                self.parts_run += 1
+            if self._stopping:
+                return
 
 
 def quietly(fn: Callable[..., object], *args: object) -> None:

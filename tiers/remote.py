@@ -19,16 +19,19 @@ How a batch moves (per owner peer, all owners concurrently):
   ``keys_per_request`` keys) keeps two of them in flight: one's messages travel while the
   other's rows move.
 
-Checksums are computed on the NIXL agent's thread, right after each part is copied (a
-put hashes the rows it just wrote, a get verifies the rows it just read), with the GIL
-released (``tiers/fast_checksum.py``): the copy has just pulled the part's rows into cache,
-where xxh3 runs at about twice its speed on rows in DRAM, so parts are small
-(``transfer_bytes``, 2 MiB by default). All parts of one call go to the agent's thread as
-one job. Measured on a 2-core machine: hashing beside the copy on another thread gains
-nothing there (the hand-offs cost more than the overlap gives while other work holds the
-second core), so copy and hash alternate on one thread. Rows should be 64-byte aligned, as
-torch allocations are: a copy between addresses that differ mod 64 runs at half speed
-(the peer's slots are 2 MiB aligned).
+Checksums overlap the copies where a core is free for it. On loopback UCX copies with CMA
+inside ``transfer()`` on the agent's thread (``tiers/nixl_agent.py``), so a second thread
+hashes part k (a put hashes the rows it just wrote, a get verifies the rows it just read)
+while the agent's thread copies part k+1; the hash releases the GIL
+(``tiers/fast_checksum.py``) and finds the part's rows still in cache (xxh3 runs at about
+twice its speed there), so parts are small (``transfer_bytes``, 2 MiB by default). All
+parts of one call go to the agent's thread as one job. A part goes to the second thread
+only while it keeps up, and calls after one that found no core free for it hash on the
+agent's thread, right after each copy, as all do with ``checksum_thread=False`` (measured
+on a 2-core machine shared with other work: there the second thread overlapped nothing and
+cost CPU, so the tier falls back and the two settings measure the same). Rows should be
+64-byte aligned, as torch allocations are: a copy between addresses that differ mod 64
+runs at half speed (the peer's slots are 2 MiB aligned).
 
 Every call has one deadline (``deadline_s``, default 2 s) covering the control messages and
 the transfers. A peer that fails to answer in time, closes its connection, or fails a
@@ -43,7 +46,7 @@ Keys on the wire are ``namespace + key``: the namespace (a digest that includes 
 salt) keeps engines and tenants that must not share rows apart, at the peer itself.
 
 Threads: the coroutines run on the caller's event loop; NIXL runs on the agent's own
-thread, checksums too. ``may_contain`` and ``stats``
+thread, checksums on the thread beside it. ``may_contain`` and ``stats``
 only read plain dicts and ints, so the scheduler may call them from its thread.
 """
 
@@ -61,6 +64,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -144,7 +148,8 @@ class RemoteTier(LowerTier):
     ``transfer_bytes``: rows per NIXL request are cut at about this many bytes (at least one
     row; one descriptor per row). ``keys_per_request``: keys per control message (the
     protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many stored keys
-    ``may_contain`` remembers.
+    ``may_contain`` remembers. ``checksum_thread``: hash each part on a thread beside the
+    agent's while the next part is copied (``False``: on the agent's thread, after the copy).
     """
 
     kind = "remote"
@@ -164,6 +169,7 @@ class RemoteTier(LowerTier):
         keys_per_request: int = 1024,
         max_tracked_keys: int = 1 << 20,
         readable_layouts: Collection[bytes] = (),
+        checksum_thread: bool = True,
     ) -> None:
         if not peers:
             raise ValueError("the remote tier needs at least one peer")
@@ -189,6 +195,7 @@ class RemoteTier(LowerTier):
         self.transfer_bytes = transfer_bytes
         self.keys_per_request = keys_per_request
         self.max_tracked_keys = max_tracked_keys
+        self.checksum_thread = checksum_thread
         self._agent: AgentThread | None = None
         self._host_addr = 0
         self._host_len = 0
@@ -230,7 +237,9 @@ class RemoteTier(LowerTier):
         array = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=np.uint8)
         self._host_addr = array.ctypes.data
         self._host_len = array.nbytes
-        self._agent = AgentThread(f"kvtier-remote-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._agent = AgentThread(
+            f"kvtier-remote-{os.getpid()}-{uuid.uuid4().hex[:8]}", after_thread=self.checksum_thread
+        )
         try:
             await self._agent.start(_AGENT_START_S)
             regions = [
@@ -373,7 +382,14 @@ class RemoteTier(LowerTier):
 
     def stats(self) -> dict[str, float]:
         up = sum(1 for p in self._peers if p.up)
-        return {**self._counters, "peers": len(self._peers), "peers_up": up, "known_keys": len(self._known)}
+        beside = self._agent.parts_after_beside if self._agent is not None else 0
+        return {
+            **self._counters,
+            "peers": len(self._peers),
+            "peers_up": up,
+            "known_keys": len(self._known),
+            "parts_checksummed_beside": beside,
+        }
 
     # -- introspection for tests and benchmarks ---------------------------------------------
 
@@ -478,10 +494,10 @@ class RemoteTier(LowerTier):
     ) -> list[bytes]:
         """WRITE the rows, one NIXL request per part, and return their headers.
 
-        The agent's thread checksums each part right after it copied it: the copy has just
-        pulled the part's rows into cache, so hashing them costs little (measured: xxh3 runs at
-        ~2x the speed on cached rows than on rows in DRAM). Raises if any part failed, once
-        no part is in flight any more.
+        Each part is checksummed right after it was copied, while the next one is (see the
+        module docstring): the copy has just pulled the part's rows into cache, so hashing
+        them costs little (measured: xxh3 runs at ~2x the speed on cached rows than on rows
+        in DRAM). Raises if any part failed, once no part is in flight any more.
         """
         parts = self._parts(writes, views)
         outcomes = await self._transfer(
@@ -491,17 +507,16 @@ class RemoteTier(LowerTier):
             views,
             addrs,
             deadline,
-            after=lambda k: self._headers(parts[k], views, addrs),
+            after=lambda k: [checksum_at(views[i], addrs[i]) for i, _ in parts[k]],
         )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
         self._counters["bytes_written"] += sum(len(views[i]) for i, _ in writes)
-        return [header for headers in outcomes for header in headers]
-
-    def _headers(self, part: list[tuple[int, int]], views: list[memoryview], addrs: list[int]) -> list[bytes]:
+        checksums = [checksum for part_sums in cast(list[list[int]], outcomes) for checksum in part_sums]
         return [
-            RowHeader(self.layout_id, len(views[i]), checksum_at(views[i], addrs[i])).pack() for i, _ in part
+            RowHeader(self.layout_id, len(views[i]), checksum).pack()
+            for (i, _), checksum in zip(writes, checksums, strict=True)
         ]
 
     async def _get_part(
@@ -562,8 +577,8 @@ class RemoteTier(LowerTier):
         loaded: list[bool],
         deadline: float,
     ) -> None:
-        """READ the rows, one NIXL request per part, and verify each part on the agent's thread
-        as soon as it lands (still in cache). Returns only when no READ can still write the
+        """READ the rows, one NIXL request per part, and verify each part as soon as it lands
+        (still in cache), while the next one is read. Returns only when no READ can still write the
         caller's buffers; rows of parts that landed and verified are hits even if another
         part failed."""
         parts = self._parts(reads, views)
@@ -622,7 +637,8 @@ class RemoteTier(LowerTier):
         after: Callable[[int], object],
     ) -> list[object]:
         """One NIXL request per part (one descriptor per row, host row <-> peer slot), all
-        posted by one job on the agent's thread; each part's outcome: ``after(k)`` or an error."""
+        posted by one job on the agent's thread; each part's outcome: ``after(k)`` or an error
+        (``after`` runs beside the agent's thread, or on it without ``checksum_thread``)."""
         if self._agent is None:
             raise TransferError("the remote tier is closed")
         welcome = link.welcome

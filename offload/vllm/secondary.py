@@ -174,7 +174,8 @@ class KVTierDiskTier(_KVTierSecondaryTier):
 
 class KVTierRemoteTier(_KVTierSecondaryTier):
     """kvtier's NIXL peers. Keys: ``peers`` (``host:port`` list), ``token_file``,
-    ``deadline_s``, ``capacity`` (required, as in the TOML); ``model``/``tenant`` override the namespace."""
+    ``deadline_s``, ``checksum_thread``, ``capacity`` (required, as in the TOML); ``model``/``tenant``
+    override the namespace."""
 
     kind = "remote"
     medium = Medium.STORAGE

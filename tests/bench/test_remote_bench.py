@@ -27,5 +27,6 @@ def test_remote_bench_writes_ratios_against_raw_nixl(tmp_path, capsys):
     assert fig["descriptors_per_transfer"] == 4  # 1 MiB fits one NIXL request, one descriptor per row
     assert fig["raw_descriptors_per_transfer"] == 4
     assert fig["verified"] is True and fig["target"] == 0.8
+    assert fig["checksum_thread"] == "on" and 0 <= fig["parts_checksummed_beside"] <= 1
     printed = capsys.readouterr().out
     assert "$ kvtier bench remote" in printed and "ratio" in printed

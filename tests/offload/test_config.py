@@ -23,6 +23,7 @@ kind = "remote"
 peers = ["127.0.0.1:7070", "127.0.0.1:7071"]
 capacity = "64GiB"
 deadline_s = 1.5
+checksum_thread = false
 """
 
 
@@ -42,6 +43,7 @@ def test_full_file_parses(tmp_path):
     remote = config.tiers[2]
     assert remote.peers == ("127.0.0.1:7070", "127.0.0.1:7071")
     assert remote.deadline_s == 1.5
+    assert remote.checksum_thread is False
     assert config.namespace.tenant == "team-a"
 
 
@@ -116,6 +118,13 @@ def test_sizes(value, expected):
                 {"kind": "remote", "capacity": "1", "peers": ["a:1"], "deadline_s": 9},
             ],
             r"tiers\[1\]\.deadline_s = 9",
+        ),
+        (
+            [
+                {"kind": "host", "capacity": "1GiB"},
+                {"kind": "remote", "capacity": "1", "peers": ["a:1"], "checksum_thread": "yes"},
+            ],
+            r"tiers\[1\]\.checksum_thread = 'yes': expected true or false",
         ),
         (
             [{"kind": "host", "capacity": "1GiB", "placement": "write-back"}],

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier, start_peers
 from tiers import peer_protocol as proto
+from tiers import remote as remote_module
 from tiers.peer_server import parse_args
 from tiers.remote import rendezvous_owner
 from tiers.row_format import RowHeader
@@ -123,6 +124,38 @@ async def test_rows_round_trip_byte_exact(shared, n_peers):
         rows.clear_dst()
         assert await tier.get(list(zip(keys[:12], rows.dst[:12], strict=True))) == [False] * 10 + [True] * 2
         assert tier.stats()["corrupt"] == 0
+
+
+@multiprocess
+@pytest.mark.parametrize("checksum_thread", [True, False], ids=["hash-beside", "hash-inline"])
+async def test_a_row_that_fails_its_checksum_is_a_miss(shared, monkeypatch, checksum_thread):
+    """Rows whose headers promise another checksum than their bytes (written so by a faulty
+    put) are misses on get, counted as corrupt; the other rows of their parts are hits."""
+    rows, keys = two_group_rows(24, seed=11)
+    bad = {3, 10, 17}
+    bad_addrs = {np.frombuffer(rows.src[i], dtype=np.uint8).ctypes.data for i in bad}
+    honest = remote_module.checksum_at
+
+    def faulty(view, addr):
+        return honest(view, addr) ^ (1 if addr in bad_addrs else 0)
+
+    async with open_tier(
+        [shared[0].address],
+        rows.view,
+        namespace=b"corrupt%d" % checksum_thread,
+        token=TOKEN,
+        transfer_bytes=96 * KIB,
+        checksum_thread=checksum_thread,
+    ) as tier:
+        monkeypatch.setattr(remote_module, "checksum_at", faulty)
+        assert await tier.put(list(zip(keys, rows.src, strict=True))) == [True] * 24
+        monkeypatch.setattr(remote_module, "checksum_at", honest)
+        rows.clear_dst()
+        loaded = await tier.get(list(zip(keys, rows.dst, strict=True)))
+        assert loaded == [i not in bad for i in range(24)]
+        assert all(rows.same(i) for i in range(24) if i not in bad)
+        assert tier.stats()["corrupt"] == len(bad) and tier.stats()["hits"] == 24 - len(bad)
+        assert tier.stats()["transfers"] > 2  # several parts per call, so hashing overlapped copies
 
 
 @multiprocess
