@@ -80,6 +80,7 @@ _COUNTERS = (
     "read_errors",
 )
 _MISMATCHED = (ReadOutcome.MISMATCH, ReadOutcome.WRONG_LENGTH)
+_Wanted = tuple[int, bytes, memoryview]  # a row of a get: its position, key and destination
 
 
 def default_file_margin(capacity_bytes: int) -> int:
@@ -341,8 +342,8 @@ class DiskTier(LowerTier):
         ``readable_layouts``; ``layouts``, when given, receives each hit's layout id.
 
         Keys not in the index are misses without I/O. The rest are read in up to
-        ``read_threads`` chunks at once. A corrupt row is deleted (on the writer thread,
-        re-checked there) before this returns.
+        ``read_threads`` chunks at once, in file order (``_chunks``). A corrupt row is
+        deleted (on the writer thread, re-checked there) before this returns.
         """
         results = [False] * len(rows)
         wanted = [
@@ -354,8 +355,7 @@ class DiskTier(LowerTier):
         if wanted:
             loop = asyncio.get_running_loop()
             readers = self._pool(self._readers)
-            step = -(-len(wanted) // min(self.read_threads, len(wanted)))
-            chunks = [wanted[at : at + step] for at in range(0, len(wanted), step)]
+            chunks = self._chunks(wanted)
             chunk_reads = await asyncio.gather(
                 *(loop.run_in_executor(readers, self._read_blocking, chunk) for chunk in chunks)
             )
@@ -373,7 +373,17 @@ class DiskTier(LowerTier):
             self._counters["misses"] += misses
         return results
 
-    def _read_blocking(self, chunk: list[tuple[int, bytes, memoryview]]) -> list[Read]:
+    def _chunks(self, wanted: list[_Wanted]) -> list[list[_Wanted]]:
+        """``wanted`` in file order, cut into up to ``read_threads`` chunks read at once.
+
+        Each chunk holds rows that lie together in the rows file, which ``read_into``
+        coalesces into large reads; several chunks in flight keep the device's queue deep.
+        """
+        order = [wanted[at] for at in self._store.file_order([self.namespace + key for _, key, _ in wanted])]
+        step = -(-len(order) // min(self.read_threads, len(order)))
+        return [order[at : at + step] for at in range(0, len(order), step)]
+
+    def _read_blocking(self, chunk: list[_Wanted]) -> list[Read]:
         try:
             reads = self._store.read_into(
                 [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts

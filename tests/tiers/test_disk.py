@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
+import itertools
 import os
 import random
 import resource
@@ -26,7 +28,7 @@ import pytest
 from tests.tiers import disk_writer_child as child
 from tiers.base import TierError
 from tiers.disk import DiskTier
-from tiers.lmdb_store import INDEX_DB, PAGE, ROWS_FILE, SLOT_MAGIC, TRAILER_BYTES, Entry
+from tiers.lmdb_store import INDEX_DB, PAGE, ROWS_FILE, SLOT_MAGIC, TRAILER_BYTES, Entry, LmdbStore
 from tiers.row_format import RowHeader
 
 NS_A = b"A" * 16
@@ -339,15 +341,15 @@ async def test_a_read_of_a_row_keeps_its_pages_from_reuse_until_it_ends(tmp_path
     async with opened(path, read_threads=1) as tier:
         await tier.put(rows([key(1)], 50_000))
         store = type(tier._store)
-        real = store._read_runs
+        real = store._pread_fully
         reading, release = threading.Event(), threading.Event()
 
-        def slow_read(self, runs, bufs, skip):
+        def slow_read(self, offset, parts):
             reading.set()
             assert release.wait(10)
-            return real(self, runs, bufs, skip)
+            return real(self, offset, parts)
 
-        monkeypatch.setattr(store, "_read_runs", slow_read)
+        monkeypatch.setattr(store, "_pread_fully", slow_read)
         out = buffers([key(1)], 50_000)
         read = asyncio.ensure_future(tier.get(out))
         assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
@@ -355,7 +357,7 @@ async def test_a_read_of_a_row_keeps_its_pages_from_reuse_until_it_ends(tmp_path
         await tier.put(rows([key(2)], 50_000))  # the same size: it would take those pages
         release.set()
         assert await read == [True] and bytes(out[0][1]) == content(key(1), 50_000)
-        monkeypatch.setattr(store, "_read_runs", real)
+        monkeypatch.setattr(store, "_pread_fully", real)
         await tier.put(rows([key(3)], 50_000))  # now they are free: reused
         got = buffers([key(2), key(3)], 50_000)
         assert await tier.get(got) == [True, True]
@@ -563,3 +565,90 @@ async def test_multiprocess_sigkill_in_a_write_storm_loses_no_commit_and_tears_n
         assert raw_keys(path) == {child.NAMESPACE + k for k in present}  # the index is the file's
     assert killed_mid_run == rounds  # every child died of the SIGKILL, mid-storm
     assert len(committed_keys(report)) > child.KEYS // 2  # the storms did write
+
+
+# -- coalesced reads -------------------------------------------------------------------
+
+
+def count_reads(monkeypatch) -> list[int]:
+    """The ``preadv`` pieces the store reads from now on (each as its number of buffers)."""
+    calls: list[int] = []
+    real = LmdbStore._pread_fully
+
+    def counting(self, offset, parts):
+        calls.append(len(parts))
+        return real(self, offset, parts)
+
+    monkeypatch.setattr(LmdbStore, "_pread_fully", counting)
+    return calls
+
+
+async def test_rows_that_lie_together_are_read_together_and_a_corrupt_one_is_the_only_miss(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "t"
+    keys = [key(i) for i in range(8)]
+    async with opened(path) as tier:
+        assert all(await tier.put(rows(keys, 100_000)))
+    entries = {k: entry_of(path, NS_A + k) for k in keys}
+    in_file = sorted(keys, key=lambda k: entries[k].runs[0])
+    for before, after in itertools.pairwise(in_file):  # one batch: one extent of the file
+        assert entries[after].runs[0][0] == sum(entries[before].runs[0])
+    bad = in_file[3]
+    flip_byte(path, entries[bad].runs[0][0] * PAGE + 54_321)
+    calls = count_reads(monkeypatch)
+    shuffled = random.Random(4).sample(keys, len(keys))
+    async with opened(path, read_threads=2) as tier:
+        out = buffers(shuffled, 100_000)
+        hits = await tier.get(out)
+        assert hits == [k != bad for k in shuffled]
+        assert all(bytes(b) == content(k, 100_000) for k, b in out if k != bad)
+        assert tier.stats()["corrupt"] == 1 and not tier.may_contain(bad)
+    # two threads, each given four rows that lie together (file order, whatever the order
+    # asked in): one preadv each, of the rows, their trailers and the pages' tails between
+    assert calls == [4 * 3 - 1] * 2
+
+
+async def test_a_piece_that_cannot_be_read_is_read_again_row_by_row(tmp_path, monkeypatch):
+    """An I/O error is a miss of the row it hits, never of the rows read with it."""
+    path = tmp_path / "t"
+    keys = [key(i) for i in range(4)]
+    async with opened(path) as tier:
+        assert all(await tier.put(rows(keys, 30_000)))
+    bad = keys[2]
+    bad_offset = entry_of(path, NS_A + bad).runs[0][0] * PAGE
+    real = LmdbStore._pread_fully
+
+    def failing(self, offset, parts):
+        if len(parts) > 2 or offset == bad_offset:  # the whole piece, then that row alone
+            raise OSError(errno.EIO, "injected I/O error")
+        return real(self, offset, parts)
+
+    monkeypatch.setattr(LmdbStore, "_pread_fully", failing)
+    async with opened(path, read_threads=1) as tier:
+        out = buffers(keys, 30_000)
+        assert await tier.get(out) == [k != bad for k in keys]
+        assert all(bytes(b) == content(k, 30_000) for k, b in out if k != bad)
+        stats = tier.stats()
+        assert stats["read_errors"] == 1 and stats["corrupt"] == 0
+        assert tier.may_contain(bad)  # an error is not corruption: the row is kept
+    monkeypatch.setattr(LmdbStore, "_pread_fully", real)
+    async with opened(path) as tier:
+        out = buffers([bad], 30_000)
+        assert await tier.get(out) == [True] and bytes(out[0][1]) == content(bad, 30_000)
+
+
+async def test_a_buffer_of_another_length_among_rows_read_together_misses_alone(tmp_path, monkeypatch):
+    path = tmp_path / "t"
+    keys = [key(i) for i in range(5)]
+    async with opened(path) as tier:
+        assert all(await tier.put(rows(keys, 40_000)))
+    calls = count_reads(monkeypatch)
+    odd = keys[2]
+    async with opened(path, read_threads=1) as tier:
+        out = [(k, memoryview(bytearray(40_000 if k != odd else 39_999))) for k in keys]
+        assert await tier.get(out) == [k != odd for k in keys]
+        assert all(bytes(b) == content(k, 40_000) for k, b in out if k != odd)
+        assert tier.stats()["mismatched"] == 1 and tier.may_contain(odd)  # kept: sound, just not this size
+    # the rows before and after it read as two pieces; its trailer alone
+    assert sorted(calls) == [1, 2 * 3 - 1, 2 * 3 - 1]
