@@ -69,7 +69,7 @@ def test_ghosts_and_per_key_state_stay_bounded() -> None:
         assert len(policy._ghost) <= 100
         assert len(policy._meta) == len(policy)
     assert len(policy._ghost) == 100
-    assert len(policy._hits) == len(policy._events) == len(policy._density) == 4 * RUN_CLASSES * 2
+    assert len(policy._hits) == len(policy._events) == len(policy._density) == 4 * RUN_CLASSES * 3 * 2
     policy.clear()
     assert not len(policy) and not policy._ghost and not policy._meta
 
@@ -83,7 +83,34 @@ def test_a_returning_ghost_counts_as_a_return_and_keeps_its_use_count() -> None:
     before = sum(map(sum, policy._hits))
     policy.on_insert_run([1])
     assert sum(map(sum, policy._hits)) == before + 1
-    assert 1 not in policy._ghost and policy._meta[1] == (3, 0)  # third use, a 1-block run
+    assert 1 not in policy._ghost and policy._meta[1] == (3, 0, 1, 1)  # third use, a 1-block run, turn 1
+
+
+def test_a_run_that_extends_a_known_chain_is_one_turn_deeper_and_its_reads_take_its_turn() -> None:
+    policy = ReuseHazardPolicy(100, period=10**6)
+    policy.on_insert_run([1, 2])  # turn 1
+    policy.on_insert_run([3], parent=2)  # turn 2: extends the request that stored 2
+    policy.on_access(2)  # the request's reads start from the run's parent
+    policy.on_access(1)
+    assert [policy._meta[k][2:] for k in (1, 2, 3)] == [(2, 1), (2, 1), (2, 2)]
+    policy.on_insert_run([4], parent=3)  # turn 3
+    assert policy.evict(1, lambda key: key == 4) == [4]
+    policy.on_insert_run([6], parent=4)  # its parent is a ghost now, and still known: turn 4
+    assert policy._meta[6][2:] == (4, 4)
+    policy.on_insert_run([5], parent=999)  # a parent this tier never saw: turn 1
+    assert policy._meta[5][2:] == (1, 1)
+
+
+def test_shrinking_pulls_a_sparse_class_toward_its_group() -> None:
+    """A class with a few events learns its own density only when nothing is shrunk."""
+    raw, shrunk = ReuseHazardPolicy(64, shrink=0, period=10**6), ReuseHazardPolicy(64, period=10**6)
+    for policy in (raw, shrunk):
+        policy._hits[0][5] = 2.0
+        policy._events[0] = 2.0  # class 0: 2 events, both back at age bin 5
+        policy._events[2] = 1000.0  # class 2, same group: 1000 events, none back
+        policy._learn()
+    assert raw._density[0][0] > 0.0 and raw._density[2][0] == 0.0
+    assert 0.0 < shrunk._density[0][0] < raw._density[0][0] / 100
 
 
 def test_run_classes() -> None:
@@ -106,6 +133,10 @@ def test_run_classes() -> None:
     ("params", "word"),
     [
         ({"use_classes": 0}, "use_classes"),
+        ({"turn_classes": 0}, "turn_classes"),
+        ({"shrink": -1}, "shrink"),
+        ({"shrink": float("inf")}, "shrink"),
+        ({"ghost": float("nan")}, "ghost"),
         ({"ghost": 0}, "ghost"),
         ({"ghost": True}, "ghost"),
         ({"samples": 0}, "samples"),
