@@ -85,7 +85,7 @@ class ReuseHazardPolicy(HitDensityPolicy):
     def __init__(
         self,
         capacity: int,
-        samples: int = 128,
+        samples: int = 64,
         use_classes: int = 4,
         turn_classes: int = 3,
         shrink: float = 1000.0,
@@ -143,6 +143,12 @@ class ReuseHazardPolicy(HitDensityPolicy):
 
     def _age(self, key: Key) -> int:
         return self._bin(self._clock - self._last[key])
+
+    def density(self, key: Key) -> float:
+        """The current hit density of a resident ``key`` (``_age`` inlined: eviction asks
+        this of every sampled tail)."""
+        b = int(math.log2(1.0 + (self._clock - self._last[key]) / self._unit) * BINS_PER_DOUBLING)
+        return self._density[self._class[key]][b if b < self._ages else self._ages - 1]
 
     def _class_of(self, meta: _Meta, tail: bool) -> int:
         uses, run, turn, _depth = meta
