@@ -4,8 +4,10 @@ Belady's OPT knows the future; an online policy knows only the past. Between the
 the best an online policy could do if it had learned *perfectly* how blocks like this one,
 at this age, are reused: evict the chain tail whose state promises the fewest hits per
 slot-time. This module replays two such oracle-informed index policies, with true
-timestamps (which kvtier's policies do not get: they count events), so that a target out
-of their reach is out of reach of any policy of that kind:
+timestamps (which kvtier's policies do not get: they count events). They are evidence,
+not proofs (a policy that ranks blocks one by one is not the only kind, and sampling only
+approximates the ranking), but a target they miss leaves an online policy of that kind,
+which must learn what they are given, little room:
 
 - ``generator`` (multi-turn only): the index is computed from the law ``multi_turn`` draws
   from (``bench.traces``): a conversation after turn ``k`` continues with probability
@@ -19,8 +21,8 @@ of their reach is out of reach of any policy of that kind:
   (capped at 8), uses so far (capped at 4), whether it is the request's last block, and
   the request's new blocks (six buckets).
 
-Both sample 64 chain tails per victim (``lhd``'s eviction, as ``hazard`` does), so they
-are close to, not exactly, the best index policy of their kind. Run ``python -m bench.index_bound --help``.
+Both sample 64 chain tails per victim (``lhd``'s eviction, as ``hazard`` does). Run
+``python -m bench.index_bound --help``.
 """
 
 from __future__ import annotations
