@@ -38,6 +38,7 @@ POLICIES = (
     "tinylfu-adaptive",
     "cost",
     "lhd",
+    "hazard",
     "prefix:lru",
     "prefix:arc",
     "prefix:s3fifo",

@@ -227,7 +227,7 @@ class HitDensityPolicy(EvictionPolicy):
         while len(victims) < n:
             key = self._next_victim(evictable, pool, fresh)
             fresh = max(2, self.samples // 4)
-            self._evictions[self._class[key]][self._age(key)] += 1.0
+            self._count_eviction(key)
             parent = self._parent[key]
             self._unlink(key)
             victims.append(key)
@@ -236,20 +236,21 @@ class HitDensityPolicy(EvictionPolicy):
                 pool.add(self.density(parent), parent)
         return victims
 
+    def _count_eviction(self, key: Key) -> None:
+        """Learn from a victim, just before it is unlinked: an eviction at its age."""
+        self._evictions[self._class[key]][self._age(key)] += 1.0
+
     def _next_victim(self, evictable: Evictable, pool: _Pool, fresh: int) -> Key:
         for key in self._orphans:
             if evictable(key):
                 return key
         tails = self._tails
         if tails:
-            rand, count = self._rng.random, len(tails)
-            density, klass, last = self._density, self._class, self._last
-            clock, width, oldest = self._clock, self._width, self._ages - 1
+            rand, count, density = self._rng.random, len(tails), self.density
             for _ in range(fresh):
                 key = tails[int(rand() * count)]
                 if key not in pool.keys and evictable(key):
-                    age = (clock - last[key]) // width
-                    pool.add(density[klass[key]][age if age < oldest else oldest], key)
+                    pool.add(density(key), key)
             pool.trim(4 * self.samples, self.samples)
         key = pool.pop()
         if key is not None:

@@ -6,7 +6,8 @@ the configuration layer can report the key and value at fault.
 
 Built-in names: ``lru``, ``slru``, ``arc``, ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
 ``tinylfu-adaptive`` (its window sized by hill climbing, as in Caffeine), ``cost`` (alias
-``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself). Any
+``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself), ``hazard`` (hit
+density learned from the whole key stream, ghosts included; prefix-aware by itself). Any
 of them, or a module path, wrapped in prefix-aware eviction
 (``policies.prefix_aware.PrefixAware``): ``"prefix:<name>"``, e.g. ``"prefix:arc"`` or
 ``"prefix:my_pkg.policies:MyPolicy"``. The parameters go to the inner policy, except
@@ -24,6 +25,7 @@ from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
 from policies.arc import ARCPolicy
 from policies.base import EvictionPolicy
 from policies.cost_aware import CostAwarePolicy
+from policies.hazard import ReuseHazardPolicy
 from policies.hit_density import HitDensityPolicy
 from policies.lru import LRUPolicy
 from policies.prefix_aware import PrefixAware
@@ -40,6 +42,7 @@ _CLASSES = (
     AdaptiveTinyLFUPolicy,
     CostAwarePolicy,
     HitDensityPolicy,
+    ReuseHazardPolicy,
 )
 _BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in _CLASSES}
 _ALIASES = {"w-tinylfu": TinyLFUPolicy.name, "cost-aware": CostAwarePolicy.name}

@@ -28,7 +28,8 @@ def test_compare_alternates_rounds_and_lru_makes_the_same_calls() -> None:
 def test_every_kvtier_policy_replays_the_sequence() -> None:
     trace, hits = small_trace()
     calls = {
-        name: kvtier_throughput(trace, hits, 150, name, repeat=1).calls for name in ("lru", "arc", "lhd")
+        name: kvtier_throughput(trace, hits, 150, name, repeat=1).calls
+        for name in ("lru", "arc", "lhd", "hazard")
     }
     # A call per lookup, store and touch: at least one per request, whatever the policy.
     assert all(count >= len(trace) for count in calls.values())

@@ -1,0 +1,290 @@
+"""How far an online policy could go: index policies handed the trace's own statistics.
+
+Belady's OPT knows the future; an online policy knows only the past. Between the two sits
+the best an online policy could do if it had learned *perfectly* how blocks like this one,
+at this age, are reused: evict the chain tail whose state promises the fewest hits per
+slot-time. This module replays two such oracle-informed index policies, with true
+timestamps (which kvtier's policies do not get: they count events). They are evidence,
+not proofs (a policy that ranks blocks one by one is not the only kind, and sampling only
+approximates the ranking), but a target they miss leaves an online policy of that kind,
+which must learn what they are given, little room:
+
+- ``generator`` (multi-turn only): the index is computed from the law ``multi_turn`` draws
+  from (``bench.traces``): a conversation after turn ``k`` continues with probability
+  ``min(0.78, 0.22 + 0.09 k)`` and the think time is log-normal (median 2 min, sigma
+  0.95), independent of everything else. A block's state is its conversation's turn count
+  and idle time; its value is the posterior probability that the conversation goes on,
+  over the expected time until it does. Nothing else in that trace predicts reuse.
+- ``fitted``: a table of hit density by class and age, fitted on the whole trace (the
+  future included, as statistics): for every use of a block, the time to its next use that
+  the tiers must serve (a use the device serves does not count). Classes: turn count
+  (capped at 8), uses so far (capped at 4), whether it is the request's last block, and
+  the request's new blocks (six buckets).
+
+Both sample 64 chain tails per victim (``lhd``'s eviction, as ``hazard`` does). Run
+``python -m bench.index_bound --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+
+from bench.simulate import Tier, TierChain, device_prefix_hits
+from bench.traces import REAL_TRACE, Request, generate, load_jsonl, trace_stats
+from policies.base import Key
+from policies.hit_density import HitDensityPolicy
+from policies.placement import make_placement
+
+EDGES_MS = (
+    [0.0]
+    + [1000.0 * s for s in (2, 5, 10, 15, 20, 30, 45, 60, 80, 100, 130, 160, 200, 250, 300, 400)]
+    + [1000.0 * s for s in (500, 650, 800, 1000, 1300, 1600, 2000, 2600, 3300, 4000, 6000)]
+)
+"""Age bins (ms) of the fitted table."""
+
+
+def turns(trace: Sequence[Request]) -> list[int]:
+    """Each request's turn: 1, or one more than the request whose stored blocks it extends
+    (by at least two blocks, so that sharing only a system prompt is not a turn)."""
+    first: dict[int, int] = {}
+    out: list[int] = []
+    for i, request in enumerate(trace):
+        k = 0
+        for key in request.keys:
+            if key not in first:
+                break
+            k += 1
+        out.append(out[first[request.keys[k - 1]]] + 1 if k > 1 else 1)
+        for key in request.keys[k:]:
+            first[key] = i
+    return out
+
+
+def new_blocks(trace: Sequence[Request]) -> list[int]:
+    """Each request's blocks never seen before."""
+    seen: set[int] = set()
+    out = []
+    for request in trace:
+        k = 0
+        for key in request.keys:
+            if key not in seen:
+                break
+            k += 1
+        out.append(len(request.keys) - k)
+        seen.update(request.keys)
+    return out
+
+
+class ClockedIndex(HitDensityPolicy):
+    """Evicts the sampled chain tail of least ``value(state, now - stamp)``: ``lhd``'s chain
+    bookkeeping and sampling, with the value handed in instead of learned. The replay sets
+    ``now`` and each request's ``state`` before the request's calls (an oracle's policy,
+    for bounds)."""
+
+    name = "clocked-index"
+
+    def __init__(self, capacity: int, value: Callable[[object, float], float], samples: int = 64) -> None:
+        super().__init__(capacity, samples=samples)
+        self.value = value
+        self.now = 0.0
+        self.state: Callable[[Key], object] = lambda _key: None
+        self._stamp: dict[Key, tuple[object, float]] = {}
+
+    def density(self, key: Key) -> float:
+        state, then = self._stamp[key]
+        return self.value(state, self.now - then)
+
+    def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
+        for key in keys:
+            self._stamp[key] = (self.state(key), self.now)
+        super().on_insert_run(keys, parent)
+
+    def on_insert(self, key: Key, parent: Key | None = None) -> None:
+        self.on_insert_run((key,), parent)
+
+    def on_access(self, key: Key) -> None:
+        if key in self._stamp:
+            self._stamp[key] = (self.state(key), self.now)
+        super().on_access(key)
+
+    def _count_eviction(self, key: Key) -> None:
+        """Nothing to learn: the value is given."""
+
+    def _learn(self) -> None:
+        """Nothing to learn: the value is given."""
+
+    def _unlink(self, key: Key) -> None:
+        del self._stamp[key]
+        super()._unlink(key)
+
+
+# -- the generator's law (multi-turn) ------------------------------------------------------
+
+
+def _phi(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def generator_value(turn: object, idle_ms: float, median_ms: float = 120_000.0, sigma: float = 0.95) -> float:
+    """P(the conversation goes on | turn, idle) / E[time until it does | it does, idle]."""
+    mu = math.log(median_ms)
+    p = min(0.78, 0.22 + 0.09 * int(turn))  # type: ignore[call-overload]
+    survive = 1.0 if idle_ms <= 0 else 1.0 - _phi((math.log(idle_ms) - mu) / sigma)
+    posterior = p * survive / (p * survive + 1.0 - p)
+    mean = math.exp(mu + sigma * sigma / 2)
+    if idle_ms <= 0:
+        residual = mean
+    elif survive < 1e-12:
+        residual = idle_ms
+    else:
+        residual = mean * _phi((mu + sigma * sigma - math.log(idle_ms)) / sigma) / survive - idle_ms
+    return posterior / max(residual, 1.0)
+
+
+# -- the table fitted on the trace ---------------------------------------------------------
+
+
+def _bucket(n: int) -> int:
+    return min(5, max(0, n.bit_length() - 2))  # < 4, < 8, < 16, < 32, < 64, >= 64
+
+
+def _age_bin(age_ms: float) -> int:
+    return bisect.bisect_right(EDGES_MS, age_ms) - 1
+
+
+def fit_table(trace: Sequence[Request], device_hits: Sequence[int]) -> dict[tuple, list[float]]:
+    """Per class, per age bin: the best returns per slot-time over any horizon from that age
+    (returns the tiers serve; a block never used again holds its slot to the horizon)."""
+    turn, new = turns(trace), new_blocks(trace)
+    uses: Counter[int] = Counter()
+    last: dict[int, tuple[tuple, float]] = {}
+    gaps: defaultdict[tuple, list[float | None]] = defaultdict(list)
+    for i, (request, d) in enumerate(zip(trace, device_hits, strict=True)):
+        n = len(request.keys)
+        for p, key in enumerate(request.keys):
+            if key in last:
+                cls, then = last[key]
+                gaps[cls].append(request.timestamp - then if p >= d else None)
+            uses[key] += 1
+            last[key] = (_class(turn[i], uses[key], p == n - 1, new[i]), request.timestamp)
+    for cls, _then in last.values():
+        gaps[cls].append(None)
+    bins = len(EDGES_MS)
+    ends = [*EDGES_MS[1:], EDGES_MS[-1] * 1.5]
+    mids = [(a + b) / 2 for a, b in zip(EDGES_MS, ends, strict=True)]
+    table: dict[tuple, list[float]] = {}
+    for cls, values in gaps.items():
+        hits = [0] * bins
+        dead = 0
+        for gap in values:
+            if gap is None:
+                dead += 1
+            else:
+                hits[_age_bin(gap)] += 1
+        row = [0.0] * bins
+        alive = dead + sum(hits)
+        for a in range(bins):
+            returned = held = best = 0.0
+            for b in range(a, bins):
+                returned += hits[b]
+                held += hits[b] * max(1.0, mids[b] - EDGES_MS[a])
+                slot_time = held + (alive - returned) * (ends[b] - EDGES_MS[a])
+                if slot_time > 0:
+                    best = max(best, returned / slot_time)
+            row[a] = best
+            alive -= hits[a]
+        table[cls] = row
+    return table
+
+
+def _class(turn: int, uses: int, last: bool, new: int) -> tuple:
+    return (min(turn, 8), min(uses, 4), last, _bucket(new))
+
+
+# -- replays -------------------------------------------------------------------------------
+
+
+def replay(
+    trace: Sequence[Request],
+    host: int,
+    device_hits: Sequence[int],
+    policy: ClockedIndex,
+    state: Callable[[int, Request], Callable[[Key], object]],
+) -> float:
+    """Host-tier hit ratio of ``policy``, told the time and each request's state first."""
+    tier = Tier("host", host, policy, make_placement(None, host))
+    chain = TierChain([tier])
+    accesses = 0
+    for i, (request, d) in enumerate(zip(trace, device_hits, strict=True)):
+        policy.now = request.timestamp
+        policy.state = state(i, request)
+        chain.request(request.keys, d)
+        accesses += len(request.keys)
+    return tier.hits / accesses if accesses else 0.0
+
+
+def bounds(
+    trace: Sequence[Request], which: Sequence[str], device_fraction: float = 0.02, host_fraction: float = 0.10
+) -> dict[str, float]:
+    """Host hit ratio of the sampled-LRU control and of each bound in ``which``, at the
+    sizes ``kvtier bench policy`` uses."""
+    distinct = trace_stats(trace)["distinct"]
+    device = max(1, round(distinct * device_fraction))
+    host = max(1, round(distinct * host_fraction))
+    device_hits = device_prefix_hits(trace, device)
+    turn = turns(trace)
+    out = {
+        "sampled-lru": replay(
+            trace, host, device_hits, ClockedIndex(host, lambda _s, idle: -idle), lambda *_: lambda _k: None
+        )
+    }
+    if "generator" in which:
+        policy = ClockedIndex(host, generator_value)
+        out["generator"] = replay(trace, host, device_hits, policy, lambda i, _r: lambda _k: turn[i])
+    if "fitted" in which:
+        table = fit_table(trace, device_hits)
+        new = new_blocks(trace)
+        uses: Counter[int] = Counter()
+
+        def fitted_state(i: int, request: Request) -> Callable[[Key], object]:
+            n = len(request.keys)
+            position = {key: p for p, key in enumerate(request.keys)}
+            for key in request.keys:
+                uses[key] += 1
+            return lambda key: _class(turn[i], uses[key], position.get(key) == n - 1, new[i])
+
+        def fitted_value(cls: object, idle: float) -> float:
+            row = table.get(cls)  # type: ignore[call-overload]
+            return row[_age_bin(idle)] if row else 0.0
+
+        out["fitted"] = replay(trace, host, device_hits, ClockedIndex(host, fitted_value), fitted_state)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.index_bound", description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default="multi-turn", help="a generated trace's name, or 'real'")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bounds", default="generator,fitted", help="comma-separated: generator, fitted")
+    args = parser.parse_args(argv)
+    which = [b for b in args.bounds.split(",") if b]
+    bad = [b for b in which if b not in ("generator", "fitted")]
+    if bad:
+        parser.error(f"unknown bounds {bad}: choose from generator, fitted")
+    if "generator" in which and args.trace != "multi-turn":
+        parser.error("the generator bound knows only multi-turn's law")
+    trace = load_jsonl(REAL_TRACE) if args.trace == "real" else generate(args.trace, seed=args.seed)
+    seed = "" if args.trace == "real" else f" --seed {args.seed}"
+    print(f"command: python -m bench.index_bound --trace {args.trace}{seed} --bounds {','.join(which)}")
+    for name, ratio in bounds(trace, which).items():
+        print(f"   {name:<12} host hit ratio {100 * ratio:6.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

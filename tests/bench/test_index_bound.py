@@ -1,0 +1,60 @@
+"""Oracle-informed index bounds: the replays, the fitted table, and the helpers they share."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.index_bound import ClockedIndex, bounds, generator_value, main, new_blocks, turns
+from bench.simulate import device_prefix_hits, opt_hits
+from bench.traces import Request, multi_turn, trace_stats
+
+
+def test_turns_and_new_blocks_follow_the_chains() -> None:
+    trace = [
+        Request(0, (0, 1, 2)),  # a first turn
+        Request(1, (0, 5)),  # shares only the system block: a new conversation
+        Request(2, (0, 1, 2, 3)),  # extends the first: turn 2
+        Request(3, (0, 1, 2, 3, 4, 6)),  # turn 3
+        Request(4, (0, 1, 7)),  # a branch off the first conversation
+    ]
+    assert turns(trace) == [1, 1, 2, 3, 2]
+    assert new_blocks(trace) == [3, 1, 1, 2, 1]
+
+
+def test_the_generator_value_falls_with_idle_time_and_rises_with_turns() -> None:
+    assert generator_value(1, 30_000) > generator_value(1, 600_000) > generator_value(1, 3_600_000) > 0
+    assert generator_value(6, 60_000) > generator_value(1, 60_000)
+
+
+def test_the_clocked_index_evicts_chain_tails_of_least_value_and_is_all_or_nothing() -> None:
+    policy = ClockedIndex(8, lambda state, idle: float(state) - idle)
+    policy.state = lambda _key: 0
+    policy.on_insert_run([1, 2, 3])
+    policy.now = 10.0
+    policy.state = lambda _key: 100
+    policy.on_insert_run([4, 5])
+    assert policy.evict(2) == [3, 2]  # the low-valued chain, from its tail
+    assert set(policy) == {1, 4, 5}
+    assert policy.evict(3, lambda key: key != 4) is None
+    assert set(policy) == {1, 4, 5}
+
+
+def test_bounds_stay_under_belady_and_are_deterministic() -> None:
+    trace = multi_turn(seed=3, sessions=300)
+    first = bounds(trace, ["generator", "fitted"])
+    assert first == bounds(trace, ["generator", "fitted"])
+    distinct = trace_stats(trace)["distinct"]
+    device, host = max(1, round(distinct * 0.02)), max(1, round(distinct * 0.10))
+    hits = device_prefix_hits(trace, device)
+    opt = opt_hits(trace, host, hits) / sum(len(r.keys) for r in trace)
+    assert set(first) == {"sampled-lru", "generator", "fitted"}
+    for name, ratio in first.items():
+        assert 0.0 < ratio <= opt, name
+
+
+def test_the_command_line_rejects_what_it_cannot_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--trace", "real", "--bounds", "generator"])
+    with pytest.raises(SystemExit):
+        main(["--bounds", "oracle"])
+    assert "generator" in capsys.readouterr().err
