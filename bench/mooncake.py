@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows=args.rows,
                 row_bytes=args.row_bytes,
                 transfer_bytes=32 << 20,
+                checksum_thread="on",
                 repeats=args.repeats,
                 seed=args.seed,
             )
