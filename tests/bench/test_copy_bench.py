@@ -1,5 +1,8 @@
 import json
 
+import pytest
+import torch
+
 from bench.copy import main
 
 
@@ -15,5 +18,16 @@ def test_copy_bench_writes_figures_for_both_layouts(tmp_path, capsys):
         assert fig["block_bytes"] == 2 * 2**20
         assert fig["store_gbps"] > 0 and fig["load_gbps"] > 0 and fig["baseline_gbps"] > 0
         assert abs(fig["store_ratio"] - fig["store_gbps"] / fig["baseline_gbps"]) < 1e-9
+        assert abs(fig["load_ratio"] - fig["load_gbps"] / fig["load_baseline_gbps"]) < 1e-9
     printed = capsys.readouterr().out
     assert "$ kvtier bench copy" in printed and "per_layer" in printed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is absent")
+@pytest.mark.parametrize("bench", ["copy", "convert"])
+def test_device_cuda_without_cuda_is_a_clear_error(bench, capsys):
+    from bench import convert, copy
+
+    with pytest.raises(SystemExit):
+        {"copy": copy.main, "convert": convert.main}[bench](["--device", "cuda"])
+    assert "CUDA is not available here" in capsys.readouterr().err
