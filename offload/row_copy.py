@@ -237,8 +237,13 @@ class RowCopier:
             subs = subs[picked[0] : picked[0] + len(picked)]  # a view: no index to send to the device
         else:
             subs = subs.index_select(0, _device_index(picked, self.device))
-        index = _device_index([block for load in loads for block in load.blocks], self.device)
-        for col, stage_cols in zip(self.columns, self._stage_columns(subs), strict=True):
+        self._scatter_stage(
+            subs, _device_index([block for load in loads for block in load.blocks], self.device)
+        )
+
+    def _scatter_stage(self, stage: torch.Tensor, index: torch.Tensor) -> None:
+        """Write whole rows ``stage[i]`` (on the device) into device block ``index[i]``, ref by ref."""
+        for col, stage_cols in zip(self.columns, self._stage_columns(stage), strict=True):
             col.device.index_copy_(0, index, stage_cols)
 
     def _conversion_rows(self, count: int) -> torch.Tensor:
@@ -262,9 +267,7 @@ class RowCopier:
 
         def scatter(i: int, buf: int) -> None:
             lo, hi = chunks[i]
-            stage = self._staging[buf, : hi - lo]
-            for col, stage_cols in zip(self.columns, self._stage_columns(stage), strict=True):
-                col.device.index_copy_(0, index[lo:hi], stage_cols)
+            self._scatter_stage(self._staging[buf, : hi - lo], index[lo:hi])
 
         def dma(i: int, buf: int) -> None:
             lo, hi = chunks[i]

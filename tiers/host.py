@@ -172,7 +172,8 @@ def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> tuple[torch
     finally:
         os.close(fd)
     buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
-    if pinned and _filesystem(shm_path) not in PINNABLE_FILESYSTEMS:
+    filesystem = _filesystem(shm_path) if pinned else ""
+    if pinned and filesystem not in PINNABLE_FILESYSTEMS:
         # Linux (>= 6.5) refuses to pin pages of a file on a disk filesystem for long: seen on
         # an H100 server with the file under /tmp, where cudaHostRegister failed (and left an
         # error behind for the next CUDA call). The tier still works unpinned, with device
@@ -181,7 +182,7 @@ def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> tuple[torch
             "host tier at %s is not pinned: its filesystem (%s) cannot be pinned, so device "
             "copies will be synchronous; put the file on tmpfs (e.g. /dev/shm)",
             shm_path,
-            _filesystem(shm_path),
+            filesystem,
         )
         pinned = False
     if pinned:
