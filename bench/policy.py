@@ -8,6 +8,12 @@ write-back, promotion on hit; disk 4x larger, LRU, seen-twice admission) with pe
 ratios; then the scheduler-side throughput of kvtier's manager (``offload.manager``)
 beside vLLM's on the same calls (``bench.manager_throughput``).
 
+``--host-fractions`` sweeps the host tier's size instead (no chain, no throughput): per
+trace and size, vLLM's managers, the best kvtier policy and OPT, and which targets hold.
+The two targets pull apart as the host grows: a small host leaves every online policy far
+under OPT (which keeps exactly the blocks that come back), a large one holds nearly every
+block that comes back whatever the policy, so no policy gains much over another.
+
 Sizes are fractions of each trace's distinct blocks, the same rule for every trace:
 device 2%, host 10% (``--device-fraction``, ``--host-fraction``), disk 4x the host.
 A hit ratio is blocks served by the tier over all blocks requested; the device's share is
@@ -89,6 +95,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated traces")
     parser.add_argument("--device-fraction", type=float, default=0.02, help="device blocks / distinct blocks")
     parser.add_argument("--host-fraction", type=float, default=0.10, help="host blocks / distinct blocks")
+    parser.add_argument(
+        "--host-fractions",
+        metavar="F,F,...",
+        help="sweep the host size over these fractions of distinct blocks (hit ratios and targets "
+        "per size; no chain, no throughput run)",
+    )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager even if it imports")
     parser.add_argument("--no-throughput", action="store_true", help="skip the manager throughput run")
     parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once (processes)")
@@ -101,6 +113,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("device_fraction", "host_fraction"):
         if not 0.0 < getattr(args, name) < 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1), got {getattr(args, name)}")
+    args.sweep = []
+    if args.host_fractions:
+        try:
+            args.sweep = sorted({float(f) for f in args.host_fractions.split(",") if f.strip()})
+        except ValueError:
+            parser.error(f"--host-fractions must be comma-separated numbers, got {args.host_fractions!r}")
+        if not args.sweep or not all(0.0 < f < 1.0 for f in args.sweep):
+            parser.error(f"--host-fractions must be in (0, 1), got {args.host_fractions!r}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.rounds < 1:
@@ -122,8 +142,14 @@ def load_traces(args: argparse.Namespace) -> dict[str, list[Request]]:
 
 
 def run_trace(
-    name: str, trace: list[Request], args: argparse.Namespace, policies: Sequence[str], vllm: bool
+    name: str,
+    trace: list[Request],
+    args: argparse.Namespace,
+    policies: Sequence[str],
+    vllm: bool,
+    chain: bool = True,
 ) -> TraceReport:
+    """Hit ratios on one trace at ``args``' sizes; with ``chain``, the two-tier chain too."""
     started = time.perf_counter()
     stats = trace_stats(trace)
     device = max(1, round(stats["distinct"] * args.device_fraction))
@@ -140,12 +166,15 @@ def run_trace(
 
         for policy in VLLM_POLICIES:
             report.vllm[policy] = simulate_vllm(trace, host, policy, device_hits).tier_hit_ratio
+    if not chain:
+        report.seconds = time.perf_counter() - started
+        return report
     best, _ = report.best()
-    chain = [
+    tiers = [
         TierSpec("host", host, best, placement={"write": "back", "promote": True}),
         TierSpec("disk", 4 * host, "lru", placement={"write": "none", "admit": "seen-twice"}),
     ]
-    result: SimResult = simulate(trace, chain, device, device_hits)
+    result: SimResult = simulate(trace, tiers, device, device_hits)
     report.chain = {
         "tiers": [
             {"name": "host", "blocks": host, "policy": best, "write": "back", "promote": True},
@@ -159,21 +188,40 @@ def run_trace(
     return report
 
 
-def _replay_all(
-    traces: dict[str, list[Request]], args: argparse.Namespace, policies: Sequence[str], vllm: bool
-) -> Iterator[TraceReport]:
-    """``run_trace`` for every trace, in order; over ``args.jobs`` forked processes (forked so
+Job = tuple[str, list[Request], argparse.Namespace, Sequence[str], bool, bool]
+"""``run_trace``'s arguments."""
+
+
+def _replay_all(jobs: list[Job], processes: int) -> Iterator[TraceReport]:
+    """``run_trace`` for every job, in order; over ``processes`` forked processes (forked so
     that vLLM, already imported here, is not imported again in each)."""
-    jobs = [(name, trace, args, policies, vllm) for name, trace in traces.items()]
-    if args.jobs == 1 or len(jobs) == 1 or "fork" not in mp.get_all_start_methods():
+    if processes == 1 or len(jobs) == 1 or "fork" not in mp.get_all_start_methods():
         yield from (run_trace(*job) for job in jobs)
         return
-    with mp.get_context("fork").Pool(min(args.jobs, len(jobs))) as pool:
+    with mp.get_context("fork").Pool(min(processes, len(jobs))) as pool:
         yield from pool.imap(_run_trace_job, jobs)
 
 
-def _run_trace_job(job: tuple[str, list[Request], argparse.Namespace, Sequence[str], bool]) -> TraceReport:
+def _run_trace_job(job: Job) -> TraceReport:
     return run_trace(*job)
+
+
+def run_sweep(
+    traces: dict[str, list[Request]], args: argparse.Namespace, policies: Sequence[str], vllm: bool
+) -> Iterator[tuple[str, list[TraceReport]]]:
+    """Every trace at every host fraction of ``args.sweep``: each trace's reports (smallest
+    host first) as soon as its last size is done."""
+    jobs: list[Job] = [
+        (name, trace, argparse.Namespace(**{**vars(args), "host_fraction": fraction}), policies, vllm, False)
+        for name, trace in traces.items()
+        for fraction in args.sweep
+    ]
+    done: list[TraceReport] = []
+    for report in _replay_all(jobs, args.jobs):
+        done.append(report)
+        if len(done) == len(args.sweep):
+            yield report.name, done
+            done = []
 
 
 def run_throughput(trace: list[Request], args: argparse.Namespace, best: str, vllm: bool) -> dict[str, Any]:
@@ -249,6 +297,63 @@ def print_trace(report: TraceReport, fraction_note: str, flush: bool = False) ->
     )
 
 
+def print_sweep(name: str, reports: Sequence[TraceReport], note: str) -> None:
+    first = reports[0]
+    s = first.stats
+    print(
+        f"\n== {name}{note}: {s['accesses']:,} block accesses, {s['distinct']:,} distinct blocks; device "
+        f"{first.device_blocks:,} blocks (serves {_pct(first.device_hit_ratio).strip()}); host size swept"
+    )
+    print(
+        f"   {'host':>6}{'blocks':>9}{'vllm:lru':>10}{'vllm:arc':>10}  {'best kvtier':<26}{'vs arc':>8}"
+        f"{'OPT':>9}{'vs OPT':>9}"
+    )
+    for report in reports:
+        best, value = report.best()
+        lru, arc = report.vllm.get("lru"), report.vllm.get("arc")
+        print(
+            f"   {100 * report.host_blocks / s['distinct']:5.1f}%{report.host_blocks:>9,}"
+            f"{_pct(lru) if lru is not None else '-':>10}{_pct(arc) if arc is not None else '-':>10}"
+            f"  {best + ' ' + _pct(value).strip():<26}{_rel(value, arc) if arc else '-':>8}"
+            f"{_pct(report.opt):>9}{_rel(value, report.opt):>9}",
+            flush=True,
+        )
+
+
+def sweep_targets(sweep: dict[str, list[TraceReport]], fractions: Sequence[float]) -> dict[str, Any]:
+    """``targets`` at each host fraction of the sweep, keyed by the fraction."""
+    return {
+        f"{fraction:g}": targets({name: reports[i] for name, reports in sweep.items()}, None)
+        for i, fraction in enumerate(fractions)
+    }
+
+
+def print_sweep_targets(by_fraction: dict[str, Any]) -> None:
+    print(
+        "\n== targets by host size (best kvtier >= vLLM arc +10%; within 5% of OPT; "
+        "'beyond OPT': OPT itself is under vLLM arc +10%)"
+    )
+    for fraction, summary in by_fraction.items():
+        entries = {name: e for name, e in summary.items() if isinstance(e, dict) and "best" in e}
+        if not entries:
+            continue
+
+        def where(flag: str, entries: dict[str, Any] = entries) -> str:
+            met = [n for n, e in entries.items() if e.get(flag)]
+            missed = [
+                n
+                + (" (beyond OPT)" if flag == "beats_vllm_arc_by_10pct" and e.get("gain_beyond_opt") else "")
+                for n, e in entries.items()
+                if flag in e and not e[flag]
+            ]
+            return f"met on {', '.join(met) or 'none'}" + (f"; NOT on {', '.join(missed)}" if missed else "")
+
+        line = f"   host {100 * float(fraction):4.1f}%: "
+        if any("beats_vllm_arc_by_10pct" in e for e in entries.values()):
+            line += f"+10% {where('beats_vllm_arc_by_10pct')} | "
+        print(line + f"OPT-5% {where('within_5pct_of_opt')}")
+
+
 def print_throughput(name: str, throughput: dict[str, Any]) -> None:
     print(
         f"\n== manager throughput on '{name}': lookup + prepare_store + complete_store + touch, "
@@ -301,6 +406,8 @@ def targets(reports: dict[str, TraceReport], throughput: dict[str, Any] | None) 
             entry["vllm_arc"] = report.vllm["arc"]
             entry["vs_vllm_arc"] = value / report.vllm["arc"] - 1 if report.vllm["arc"] else None
             entry["beats_vllm_arc_by_10pct"] = value >= (1 + TARGET_GAIN) * report.vllm["arc"]
+            # No policy beats OPT: where OPT itself misses the gain, the target is out of reach.
+            entry["gain_beyond_opt"] = report.opt < (1 + TARGET_GAIN) * report.vllm["arc"]
         out[name] = entry
     if throughput and throughput.get("vllm"):
         ratios = {}
@@ -332,15 +439,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"real trace: {args.real_trace} ({note})")
         fraction_note = f" ({args.trace_fraction:g} of its requests)" if args.trace_fraction < 1 else ""
     policies = [p for p in args.policies.split(",") if p]
+    vllm = vllm_version is not None
+    if args.sweep:
+        sweep: dict[str, list[TraceReport]] = {}
+        for name, trace_reports in run_sweep(traces, args, policies, vllm):
+            sweep[name] = trace_reports
+            print_sweep(name, trace_reports, fraction_note if name == "real" else f" (seed {args.seed})")
+        by_fraction = sweep_targets(sweep, args.sweep)
+        print_sweep_targets(by_fraction)
+        if args.json:
+            write_json(
+                args.json,
+                {
+                    "command": command.strip(),
+                    "vllm": vllm_version,
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "sweep": {name: [r.__dict__ for r in rs] for name, rs in sweep.items()},
+                    "targets": by_fraction,
+                },
+            )
+        return 0
     reports: dict[str, TraceReport] = {}
-    for report in _replay_all(traces, args, policies, vllm=vllm_version is not None):
+    jobs: list[Job] = [(name, trace, args, policies, vllm, True) for name, trace in traces.items()]
+    for report in _replay_all(jobs, args.jobs):
         reports[report.name] = report
         print_trace(report, fraction_note if report.name == "real" else f" (seed {args.seed})", flush=True)
     throughput = None
     if not args.no_throughput:
         name = "real" if "real" in traces else next(iter(traces))
         best = reports[name].best()[0]
-        throughput = run_throughput(traces[name], args, best, vllm=vllm_version is not None)
+        throughput = run_throughput(traces[name], args, best, vllm=vllm)
         print_throughput(name, throughput)
     summary = targets(reports, throughput)
     print_targets(summary)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.index_bound import ClockedIndex, bounds, generator_value, main, new_blocks, turns
+from bench.index_bound import ClockedIndex, bounds, generator_value, horizon_value, main, new_blocks, turns
 from bench.simulate import device_prefix_hits, opt_hits
 from bench.traces import Request, multi_turn, trace_stats
 
@@ -26,6 +26,12 @@ def test_the_generator_value_falls_with_idle_time_and_rises_with_turns() -> None
     assert generator_value(6, 60_000) > generator_value(1, 60_000)
 
 
+def test_the_horizon_value_rises_with_turns_and_dies_with_a_long_idle_conversation() -> None:
+    assert horizon_value(6, 60_000) > horizon_value(1, 60_000) > 0
+    # A conversation idle for hours has almost surely ended: its blocks are worth little.
+    assert horizon_value(1, 60_000) > 100 * horizon_value(1, 8 * 3_600_000)
+
+
 def test_the_clocked_index_evicts_chain_tails_of_least_value_and_is_all_or_nothing() -> None:
     policy = ClockedIndex(8, lambda state, idle: float(state) - idle)
     policy.state = lambda _key: 0
@@ -41,20 +47,25 @@ def test_the_clocked_index_evicts_chain_tails_of_least_value_and_is_all_or_nothi
 
 def test_bounds_stay_under_belady_and_are_deterministic() -> None:
     trace = multi_turn(seed=3, sessions=300)
-    first = bounds(trace, ["generator", "fitted"])
-    assert first == bounds(trace, ["generator", "fitted"])
+    which = ["generator", "horizon", "fitted"]
+    first = bounds(trace, which)
+    assert first == bounds(trace, which)
+    out_of_sample = bounds(trace, ["fitted"], fit_trace=multi_turn(seed=4, sessions=300))
+    assert out_of_sample["sampled-lru"] == first["sampled-lru"]
     distinct = trace_stats(trace)["distinct"]
     device, host = max(1, round(distinct * 0.02)), max(1, round(distinct * 0.10))
     hits = device_prefix_hits(trace, device)
     opt = opt_hits(trace, host, hits) / sum(len(r.keys) for r in trace)
-    assert set(first) == {"sampled-lru", "generator", "fitted"}
-    for name, ratio in first.items():
+    assert set(first) == {"sampled-lru", *which}
+    for name, ratio in [*first.items(), ("fitted out of sample", out_of_sample["fitted"])]:
         assert 0.0 < ratio <= opt, name
 
 
 def test_the_command_line_rejects_what_it_cannot_bound(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--trace", "real", "--bounds", "generator"])
+    with pytest.raises(SystemExit):
+        main(["--trace", "real", "--bounds", "fitted", "--fit-on", "other"])
     with pytest.raises(SystemExit):
         main(["--bounds", "oracle"])
     assert "generator" in capsys.readouterr().err

@@ -150,3 +150,41 @@ def test_benchmark_runs_and_writes_json(tmp_path, capsys) -> None:
     assert "kvtier bench policy --traces scan-mix" in printed and "OPT (Belady)" in printed
     with pytest.raises(SystemExit):
         main(["--trace-fraction", "0"])
+
+
+def test_the_host_size_sweep_reports_every_size_and_its_targets(tmp_path, capsys) -> None:
+    out = tmp_path / "sweep.json"
+    argv = ["--traces", "agentic", "--policies", "lru,arc", "--no-vllm", "--jobs", "1"]
+    assert main([*argv, "--host-fractions", "0.2,0.05", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    small, large = figures["sweep"]["agentic"]  # smallest first
+    assert small["host_blocks"] < large["host_blocks"]
+    assert small["opt"] <= large["opt"]  # OPT never loses from a larger tier
+    for report in (small, large):
+        assert set(report["policies"]) == {"lru", "arc"} and not report["chain"]
+        assert all(0 < v <= report["opt"] for v in report["policies"].values())
+    assert set(figures["targets"]) == {"0.05", "0.2"}
+    for fraction, report in (("0.05", small), ("0.2", large)):
+        entry = figures["targets"][fraction]["agentic"]
+        assert entry["hit_ratio"] == max(report["policies"].values())
+        assert entry["within_5pct_of_opt"] == (entry["hit_ratio"] >= 0.95 * report["opt"])
+    printed = capsys.readouterr().out
+    assert "host size swept" in printed and "targets by host size" in printed
+    for bad in ("0,0.1", "0.1,x", ","):
+        with pytest.raises(SystemExit):
+            main(["--host-fractions", bad])
+
+
+def test_a_gain_over_vllm_that_even_opt_misses_is_flagged_out_of_reach() -> None:
+    from bench.policy import TraceReport, targets
+
+    def report(arc: float, opt: float) -> TraceReport:
+        return TraceReport("agentic", {}, 1, 1, 0.0, policies={"hazard": 0.705}, vllm={"arc": arc}, opt=opt)
+
+    saturated = targets({"agentic": report(arc=0.70, opt=0.7332)}, None)["agentic"]
+    assert saturated["gain_beyond_opt"] and not saturated["beats_vllm_arc_by_10pct"]
+    assert saturated["within_5pct_of_opt"]
+    roomy = targets({"agentic": report(arc=0.50, opt=0.90)}, None)["agentic"]
+    assert (
+        not roomy["gain_beyond_opt"] and roomy["beats_vllm_arc_by_10pct"] and not roomy["within_5pct_of_opt"]
+    )
