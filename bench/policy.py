@@ -298,6 +298,7 @@ def print_trace(report: TraceReport, fraction_note: str, flush: bool = False) ->
 
 
 def print_sweep(name: str, reports: Sequence[TraceReport], note: str) -> None:
+    """One trace's row per host size: vLLM's managers, the best kvtier policy, OPT."""
     first = reports[0]
     s = first.stats
     print(
@@ -420,6 +421,33 @@ def targets(reports: dict[str, TraceReport], throughput: dict[str, Any] | None) 
     return out
 
 
+def sweep_main(
+    args: argparse.Namespace,
+    traces: dict[str, list[Request]],
+    policies: Sequence[str],
+    vllm_version: str | None,
+    command: str,
+    fraction_note: str,
+) -> int:
+    """``--host-fractions``: the sweep's tables, its targets by size, and its JSON."""
+    sweep: dict[str, list[TraceReport]] = {}
+    for name, trace_reports in run_sweep(traces, args, policies, vllm_version is not None):
+        sweep[name] = trace_reports
+        print_sweep(name, trace_reports, fraction_note if name == "real" else f" (seed {args.seed})")
+    by_fraction = sweep_targets(sweep, args.sweep)
+    print_sweep_targets(by_fraction)
+    if args.json:
+        payload = {
+            "command": command,
+            "vllm": vllm_version,
+            "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "sweep": {name: [r.__dict__ for r in reports] for name, reports in sweep.items()},
+            "targets": by_fraction,
+        }
+        write_json(args.json, payload)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "kvtier bench policy " + " ".join(
@@ -441,24 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     vllm = vllm_version is not None
     if args.sweep:
-        sweep: dict[str, list[TraceReport]] = {}
-        for name, trace_reports in run_sweep(traces, args, policies, vllm):
-            sweep[name] = trace_reports
-            print_sweep(name, trace_reports, fraction_note if name == "real" else f" (seed {args.seed})")
-        by_fraction = sweep_targets(sweep, args.sweep)
-        print_sweep_targets(by_fraction)
-        if args.json:
-            write_json(
-                args.json,
-                {
-                    "command": command.strip(),
-                    "vllm": vllm_version,
-                    "config": {k: v for k, v in vars(args).items() if k != "json"},
-                    "sweep": {name: [r.__dict__ for r in rs] for name, rs in sweep.items()},
-                    "targets": by_fraction,
-                },
-            )
-        return 0
+        return sweep_main(args, traces, policies, vllm_version, command.strip(), fraction_note)
     reports: dict[str, TraceReport] = {}
     jobs: list[Job] = [(name, trace, args, policies, vllm, True) for name, trace in traces.items()]
     for report in _replay_all(jobs, args.jobs):
