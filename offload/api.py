@@ -102,13 +102,14 @@ class Offloader:
         Keys found only in a lower tier start their promotion here (every one up to the
         first miss, in one pass), and count once they have landed: call again after
         ``poll`` to load the longer prefix. From the first miss on, remote peers are asked
-        in the background whether they hold the rest (another engine may have put it).
+        in the background whether they hold the rest (another engine may have put it); a key
+        still being asked (``lookup_wait_s``) ends the prefix like a miss until they answer.
         """
         hits: int | None = None
         found = len(keys)
         for count, key in enumerate(keys):
             result = self.manager.lookup(key)
-            if result is LookupResult.MISS:
+            if result is LookupResult.MISS or result is LookupResult.RETRY:
                 self.manager.check_below(keys[count:])  # remote peers may hold the rest
                 found = count
                 break

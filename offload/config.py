@@ -99,6 +99,10 @@ class TierConfig:
     token_file: str | None = None  # remote
     checksum_thread: bool = True  # remote: hash each part beside the copies (False: after each copy)
     deadline_s: float = 2.0  # remote, mooncake
+    # remote, mooncake: how long a vLLM request may wait (deferred, as vLLM's RETRY) for this
+    # tier's answer to "do you hold the rest of my prefix?"; 0: never wait, the answer serves
+    # later requests
+    lookup_wait_s: float = 0.0
     mooncake: MooncakeConfig | None = None
 
 
@@ -120,7 +124,16 @@ _COMMON_KEYS = {"kind", "capacity", "eviction", "eviction_params"}
 _KIND_KEYS = {
     "host": set(),
     "disk": {"path", "placement", "admission", "promotion"},
-    "remote": {"peers", "token_file", "deadline_s", "checksum_thread", "placement", "admission", "promotion"},
+    "remote": {
+        "peers",
+        "token_file",
+        "deadline_s",
+        "lookup_wait_s",
+        "checksum_thread",
+        "placement",
+        "admission",
+        "promotion",
+    },
     "mooncake": {
         "master",
         "metadata_server",
@@ -130,6 +143,7 @@ _KIND_KEYS = {
         "local_hostname",
         "replicas",
         "deadline_s",
+        "lookup_wait_s",
         "placement",
         "admission",
         "promotion",
@@ -242,6 +256,11 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
         )
     if kind == "mooncake":
         tier = _parse_mooncake(raw, tier, where)
+    if kind in ("remote", "mooncake"):
+        wait = raw.get("lookup_wait_s", 0.0)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 10:
+            raise ConfigError(f"{where}.lookup_wait_s = {wait!r}: expected seconds in [0, 10]")
+        tier = replace(tier, lookup_wait_s=float(wait))
     return tier
 
 

@@ -59,6 +59,9 @@ class LookupResult(enum.Enum):
     MISS = "miss"
     HIT = "hit"
     HIT_PENDING = "hit_pending"
+    RETRY = "retry"
+    """Not here; a tier below is being asked whether it holds the key (``lookup_wait_s``):
+    look it up again later. A caller that cannot wait treats it as a miss."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class ManagerStats:
     lookups: int = 0
     hits: int = 0
     pending: int = 0
+    retries: int = 0  # lookups told to come back: a tier below was being asked
     stored_rows: int = 0
     failed_stores: int = 0
     loaded_rows: int = 0
@@ -189,6 +193,9 @@ class OffloadingManager:
                     self.stats.pending += 1
                     return LookupResult.HIT_PENDING
                 self.lower.ask_later([key])
+                if self.lower.asking(key):
+                    self.stats.retries += 1
+                    return LookupResult.RETRY
             return LookupResult.MISS
         if self.lower is not None:
             self._last_lookup[row.group] = key

@@ -58,6 +58,9 @@ FAMILIES: dict[str, FamilySpec] = {
     "rejected_stores": FamilySpec(
         "counter", "Host stores refused: every row that could make room is in use."
     ),
+    "lookup_retries": FamilySpec(
+        "counter", "Host-tier lookups told to come back while peers were asked (lookup_wait_s)."
+    ),
     "promotions": FamilySpec(
         "counter", "Rows copied up from a lower tier into the host tier, by result.", ("result",)
     ),
@@ -138,11 +141,12 @@ def manager_families(
     stats = manager.stats
     families["lookups"].add(stats.lookups)
     families["hits"].add(stats.hits, "host")
-    families["misses"].add(max(0, stats.lookups - stats.hits - stats.pending), "host")
+    families["misses"].add(max(0, stats.lookups - stats.hits - stats.pending - stats.retries), "host")
     families["read_bytes"].add(stats.loaded_rows * row_bytes, "host")
     families["written_bytes"].add(stats.stored_rows * row_bytes, "host")
     families["evictions"].add(stats.evictions, "host")
     families["rejected_stores"].add(stats.rejected_stores)
+    families["lookup_retries"].add(stats.retries)
     families["rows"].add(len(manager), "host")
     families["capacity_bytes"].add(manager.slots_per_group * manager.num_groups * row_bytes, "host")
     lower = manager.lower

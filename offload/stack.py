@@ -93,4 +93,5 @@ def _start_lower_tiers(
         convert_on_landing=convert_on_landing,
     )
     engine.start(memoryview(host.buffer.numpy()))
-    return LowerTierChain(tiers, placements, engine)
+    wait = max(tier.lookup_wait_s for tier in tier_configs)
+    return LowerTierChain(tiers, placements, engine, lookup_wait_s=wait)

@@ -14,9 +14,8 @@ placement.py``):
   (``HIT_PENDING`` until it lands).
 
 Finding a row below is a local question for a disk (its index is exact) but not for
-remote peers, which also hold what other engines put. For such tiers a miss queues an
-asynchronous ``contains``; the keys it finds are remembered (boundedly), so a later lookup
-of them promotes. The lookup that asked is never held up by the network.
+remote peers, which also hold what other engines put: for those a miss asks them in the
+background (``offload.peer_asks``), and a later lookup of a key they hold promotes it.
 
 This module holds those rules and the ``TierEngine``; the manager holds the row states.
 """
@@ -25,11 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from offload.config import ConfigError, TierConfig
+from offload.peer_asks import AskStats, PeerAsks
 from offload.tier_engine import OpResult, TierEngine
 from policies.placement import Placement, make_admission
 from tiers.base import LowerTier, Row
@@ -121,7 +120,7 @@ def _read_token(path: str | None) -> bytes | None:
 
 
 @dataclass
-class ChainStats:
+class ChainStats(AskStats):
     promotions_started: int = 0
     promotions_done: int = 0
     promotions_failed: int = 0
@@ -130,19 +129,17 @@ class ChainStats:
     spills_failed: int = 0
     spills_refused: int = 0
     dirty_dropped: int = 0
-    checks_asked: int = 0
-    checks_found: int = 0
-
-
-KNOWN_KEYS = 1 << 16
-"""How many keys found below by ``contains`` (and asked about) are remembered."""
 
 
 class LowerTierChain:
     """Placement rules and the engine that moves rows, for the tiers below the host."""
 
     def __init__(
-        self, tiers: Sequence[LowerTier], placements: Sequence[Placement], engine: TierEngine
+        self,
+        tiers: Sequence[LowerTier],
+        placements: Sequence[Placement],
+        engine: TierEngine,
+        lookup_wait_s: float = 0.0,
     ) -> None:
         if len(tiers) != len(placements):
             raise ValueError(f"{len(tiers)} tiers but {len(placements)} placements")
@@ -151,14 +148,15 @@ class LowerTierChain:
         self.engine = engine
         self.stats = ChainStats()
         self._op_ids = itertools.count(1)
-        self._partial = [
+        partial = [
             index
             for index, (tier, placement) in enumerate(zip(self.tiers, self.placements, strict=True))
             if tier.index_is_partial and placement.promote
         ]
-        self._known: OrderedDict[bytes, int] = OrderedDict()  # found by contains: key -> tier
-        self._asked: OrderedDict[bytes, None] = OrderedDict()  # asked lately: not again
-        self._to_ask: dict[bytes, None] = {}
+        self.asks = PeerAsks(engine, partial, self._next_op_id, lookup_wait_s=lookup_wait_s, stats=self.stats)
+
+    def _next_op_id(self) -> int:
+        return next(self._op_ids)
 
     @property
     def has_write_back(self) -> bool:
@@ -171,7 +169,7 @@ class LowerTierChain:
 
     def locate(self, key: bytes) -> int | None:
         """The first promoting tier that holds ``key``, by its local index or a past ``contains``."""
-        known = self._known.get(key)
+        known = self.asks.known(key)
         for index, (tier, placement) in enumerate(zip(self.tiers, self.placements, strict=True)):
             if placement.promote_on_hit() and (known == index or tier.may_contain(key)):
                 return index
@@ -179,34 +177,23 @@ class LowerTierChain:
 
     def ask_later(self, keys: Iterable[bytes]) -> None:
         """Queue ``contains`` checks for keys missing here, on tiers whose local index is partial."""
-        if not self._partial:
-            return
-        for key in keys:
-            if key not in self._asked and key not in self._known:
-                self._to_ask[key] = None
+        self.asks.ask_later(keys)
 
     def flush_asks(self) -> None:
         """Send the queued checks, one ``contains`` per partial tier."""
-        if not self._to_ask:
-            return
-        keys = list(self._to_ask)
-        self._to_ask.clear()
-        for key in keys:
-            _remember(self._asked, key, None)
-        for tier in self._partial:
-            if self.engine.submit_contains(next(self._op_ids), tier, keys):
-                self.stats.checks_asked += len(keys)
+        self.asks.flush()
+
+    def asking(self, key: bytes) -> bool:
+        """Whether a lookup of ``key`` should come back later (``PeerAsks.asking``)."""
+        return self.asks.asking(key)
 
     def learn(self, result: OpResult) -> None:
-        """Remember which asked keys a tier holds."""
-        for key, found in zip(result.keys, result.ok, strict=True):
-            if found:
-                _remember(self._known, bytes(key), result.tier)
-                self.stats.checks_found += 1
+        """Take a ``contains`` answer (``PeerAsks.learn``)."""
+        self.asks.learn(result)
 
     def forget(self, key: bytes) -> None:
         """A promotion of ``key`` failed: do not send the next lookup to the same place."""
-        self._known.pop(key, None)
+        self.asks.forget(key)
 
     def targets(self, key: bytes, *, on_evict: bool) -> list[int]:
         """Tiers that take ``key`` now: write-back ones before eviction, write-through ones on store."""
@@ -242,10 +229,3 @@ class LowerTierChain:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def _remember(table: OrderedDict, key: bytes, value: object) -> None:
-    table[key] = value
-    table.move_to_end(key)
-    if len(table) > KNOWN_KEYS:
-        table.popitem(last=False)

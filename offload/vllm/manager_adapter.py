@@ -62,6 +62,9 @@ _LOOKUP = {
     KVTierLookup.HIT: LookupResult.HIT,
     KVTierLookup.HIT_PENDING: LookupResult.HIT_PENDING,
     KVTierLookup.MISS: LookupResult.MISS,
+    # Peers are being asked (lookup_wait_s): vLLM defers the request and keeps looking up the
+    # rest of its prefix, so every key of it is asked in the same round trip.
+    KVTierLookup.RETRY: LookupResult.RETRY,
 }
 _MEDIUM = {"host": (Medium.CPU, Locality.LOCAL), "disk": (Medium.STORAGE, Locality.LOCAL)}
 _SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}

@@ -18,6 +18,12 @@ on kvtier's tier engine (a uvloop thread) with a deadline each: submits return a
 ``get_finished_jobs`` reports them. A promotion that fails for some keys reports those
 keys as failed (vLLM's tiering allows partial promotions); a row that fails its checksum
 is a miss, never bytes handed to the engine.
+
+A peer also holds rows other engines put, which this engine's index does not list: a
+lookup that misses that index asks the peer in the background (one ``contains`` per
+step, sent at ``serve_external_requests``), and a later lookup of a key it holds is a hit.
+With ``lookup_wait_s`` the lookup says ``RETRY`` while the peer is being asked, so vLLM
+defers the request instead of recomputing a prefix a peer holds.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from offload.config import TierConfig, parse_config
 from offload.namespace import Namespace
-from offload.tier_engine import TierEngine
+from offload.peer_asks import PeerAsks
+from offload.tier_engine import OpKind, TierEngine
 from offload.tiering import build_tier
 from tiers.base import LowerTier
 from tiers.row_format import layout_id_from_fingerprint
@@ -50,6 +57,7 @@ from tiers.row_format import layout_id_from_fingerprint
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+    from vllm.v1.kv_offload.tiering.base import ParentManager
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,12 @@ class _KVTierSecondaryTier(SecondaryTierManager):
         self._op_ids = itertools.count(1)
         self._jobs: dict[int, TransferJob] = {}
         self._finished: list[JobResult] = []
+        self._asks = PeerAsks(
+            self.engine,
+            [0] if self.tier.index_is_partial else [],
+            lambda: next(self._op_ids),
+            lookup_wait_s=self.tier_config.lookup_wait_s,
+        )
         self._stored: list[OffloadKey] = []
         log.info(
             "kvtier %s tier under vLLM's CPU tier: rows of %d B, namespace %s",
@@ -102,7 +116,15 @@ class _KVTierSecondaryTier(SecondaryTierManager):
         )
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return LookupResult.HIT if self.tier.may_contain(key) else LookupResult.MISS
+        raw = bytes(key)
+        if self.tier.may_contain(raw) or self._asks.known(raw) is not None:
+            return LookupResult.HIT
+        self._asks.ask_later((raw,))
+        return LookupResult.RETRY if self._asks.asking(raw) else LookupResult.MISS
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        """Once per scheduler step: send the step's ``contains`` checks as one request."""
+        self._asks.flush()
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, self.engine.submit_put)
@@ -112,9 +134,16 @@ class _KVTierSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         for result in self.engine.drain():
+            if result.kind is OpKind.CONTAINS:
+                self._asks.learn(result)
+                continue
             job = self._jobs.pop(result.op_id)
             ok_keys = [OffloadKey(key) for key, ok in zip(result.keys, result.ok, strict=True) if ok]
             success = len(ok_keys) == len(result.keys)
+            if job.is_promotion and not success:
+                for key, ok in zip(result.keys, result.ok, strict=True):
+                    if not ok:
+                        self._asks.forget(bytes(key))  # not a hit next time
             if not job.is_promotion:
                 self._stored.extend(ok_keys)
             self._finished.append(
@@ -130,7 +159,7 @@ class _KVTierSecondaryTier(SecondaryTierManager):
         return finished
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs) or self._asks.waiting()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._stored:
@@ -174,8 +203,8 @@ class KVTierDiskTier(_KVTierSecondaryTier):
 
 class KVTierRemoteTier(_KVTierSecondaryTier):
     """kvtier's NIXL peers. Keys: ``peers`` (``host:port`` list), ``token_file``,
-    ``deadline_s``, ``checksum_thread``, ``capacity`` (required, as in the TOML); ``model``/``tenant``
-    override the namespace."""
+    ``deadline_s``, ``lookup_wait_s``, ``checksum_thread``, ``capacity`` (required, as in the
+    TOML); ``model``/``tenant`` override the namespace."""
 
     kind = "remote"
     medium = Medium.STORAGE

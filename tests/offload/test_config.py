@@ -23,6 +23,7 @@ kind = "remote"
 peers = ["127.0.0.1:7070", "127.0.0.1:7071"]
 capacity = "64GiB"
 deadline_s = 1.5
+lookup_wait_s = 0.25
 checksum_thread = false
 """
 
@@ -43,6 +44,7 @@ def test_full_file_parses(tmp_path):
     remote = config.tiers[2]
     assert remote.peers == ("127.0.0.1:7070", "127.0.0.1:7071")
     assert remote.deadline_s == 1.5
+    assert (remote.lookup_wait_s, disk.lookup_wait_s) == (0.25, 0.0)
     assert remote.checksum_thread is False
     assert config.namespace.tenant == "team-a"
 
@@ -125,6 +127,23 @@ def test_sizes(value, expected):
                 {"kind": "remote", "capacity": "1", "peers": ["a:1"], "checksum_thread": "yes"},
             ],
             r"tiers\[1\]\.checksum_thread = 'yes': expected true or false",
+        ),
+        *(
+            (
+                [
+                    {"kind": "host", "capacity": "1GiB"},
+                    {"kind": "remote", "capacity": "1", "peers": ["a:1"], "lookup_wait_s": wait},
+                ],
+                rf"tiers\[1\]\.lookup_wait_s = {wait!r}: expected seconds in \[0, 10\]",
+            )
+            for wait in (-1, 11, "1s", True)
+        ),
+        (
+            [
+                {"kind": "host", "capacity": "1GiB"},
+                {"kind": "disk", "capacity": "1GiB", "path": "/x", "lookup_wait_s": 1},
+            ],
+            r"tiers\[1\]\.lookup_wait_s .*unknown key",
         ),
         (
             [{"kind": "host", "capacity": "1GiB", "placement": "write-back"}],

@@ -1,9 +1,12 @@
 """Spill to and promotion from a real ``kvtier peer`` process over NIXL, through ``Offloader``."""
 
+import time
+
 import pytest
 
 from offload.api import Offloader
 from offload.keys import make_key
+from offload.manager import LookupResult
 from tests.offload.layouts import per_layer_blocks_first, scramble
 from tests.tiers.peer_fixtures import start_peers
 
@@ -110,3 +113,79 @@ def test_promotion_from_a_peer_and_a_dead_peer_is_a_miss(tmp_path, peer):
         assert offloader.lookup(keys[2:]) == 0
         assert offloader.stats()["lower"]["promotions_done"] == 2
         assert [offloader.caches.read_row(0, b) for b in (10, 11)] == device_before
+
+
+def put_by_another_engine(tmp_path, peer, keys: list[bytes]) -> list:
+    """Engine A puts ``keys`` at the peer and goes away; their rows' bytes."""
+    kv_a, groups = per_layer_blocks_first()
+    with Offloader(kv_a, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    with Offloader(kv_a, groups, config(tmp_path, peer, 8, row)) as engine_a:
+        rows = [engine_a.caches.read_row(0, b) for b in range(len(keys))]
+        engine_a.store(keys, list(range(len(keys))))
+        engine_a.wait()
+        engine_a.wait_tiers()
+        assert engine_a.stats()["lower"]["spills_done"] == len(keys)
+    return rows
+
+
+def lookups_until(manager, keys, wanted, timeout: float = 5.0) -> list:
+    """Poll and look ``keys`` up again until every result is ``wanted`` (or time runs out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        manager.poll()
+        results = [manager.lookup(key) for key in keys]
+        if all(r is wanted for r in results) or time.monotonic() > deadline:
+            return results
+        time.sleep(0.01)
+
+
+def test_with_lookup_wait_a_lookup_retries_until_the_peer_answers_for_the_whole_prefix(tmp_path, peer):
+    keys = keys_for("waited", 4)
+    rows = put_by_another_engine(tmp_path, peer, keys)
+    absent = keys_for("nowhere", 1)[0]
+    kv_b, groups = per_layer_blocks_first()
+    with Offloader(kv_b, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    with Offloader(kv_b, groups, config(tmp_path, peer, 8, row, lookup_wait_s=2.0)) as engine_b:
+        manager = engine_b.manager
+        # As vLLM scans a prefix: every key, known or not, is "being asked", none is a miss.
+        assert [manager.lookup(key) for key in [*keys, absent]] == [LookupResult.RETRY] * 5
+        assert manager.stats.retries == 5
+        assert lookups_until(manager, keys, LookupResult.HIT_PENDING) == [LookupResult.HIT_PENDING] * 4
+        assert manager.lookup(absent) is LookupResult.MISS  # answered: nobody holds it
+        lower = engine_b.stats()["lower"]
+        assert (lower["checks_asked"], lower["checks_found"]) == (5, 4)  # one round trip for all five
+        assert lookups_until(manager, keys, LookupResult.HIT) == [LookupResult.HIT] * 4
+        manager.on_schedule_end()
+        engine_b.load(keys, [6, 7, 8, 9])
+        engine_b.wait()
+        assert [engine_b.caches.read_row(0, b) for b in (6, 7, 8, 9)] == rows
+
+
+def test_with_lookup_wait_a_dead_peer_is_waited_for_no_longer_than_the_wait(tmp_path, peer):
+    keys = keys_for("orphan", 2)
+    put_by_another_engine(tmp_path, peer, keys)
+    peer.kill()
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    with Offloader(kv, groups, config(tmp_path, peer, 8, row, lookup_wait_s=0.5)) as engine:
+        manager = engine.manager
+        started = time.monotonic()
+        assert [manager.lookup(key) for key in keys] == [LookupResult.RETRY] * 2
+        assert lookups_until(manager, keys, LookupResult.MISS) == [LookupResult.MISS] * 2
+        assert time.monotonic() - started < 3.0
+        # The standalone API never waits: a key being asked ends the prefix like a miss.
+        assert engine.lookup(keys) == 0
+
+
+def test_without_lookup_wait_a_miss_below_is_a_miss_at_once(tmp_path, peer):
+    keys = keys_for("unwaited", 2)
+    put_by_another_engine(tmp_path, peer, keys)
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    with Offloader(kv, groups, config(tmp_path, peer, 8, row)) as engine:
+        assert [engine.manager.lookup(key) for key in keys] == [LookupResult.MISS] * 2
+        assert engine.manager.stats.retries == 0

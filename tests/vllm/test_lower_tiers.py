@@ -4,6 +4,7 @@ promotion that must stay a miss (vLLM asserts every device transfer succeeds).""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -15,9 +16,9 @@ from tiers.lmdb_store import ROWS_FILE
 PREFIX = list(range(100, 260))  # 10 blocks
 
 
-def tiers_toml(tmp_path, lower_tier: str) -> str:
+def tiers_toml(tmp_path, lower_tier: str, name: str = "tiers.toml") -> str:
     """A TOML file: the host tier, then ``lower_tier`` (a ``[[tiers]]`` body), written through."""
-    path = tmp_path / "tiers.toml"
+    path = tmp_path / name
     path.write_text(f"""
 [[tiers]]
 kind = "host"
@@ -35,8 +36,8 @@ def disk_toml(tmp_path):
     return tiers_toml(tmp_path, f'kind = "disk"\npath = "{tmp_path / "disk"}"\nadmission = "all"')
 
 
-def remote_toml(tmp_path, address):
-    return tiers_toml(tmp_path, f'kind = "remote"\npeers = ["{address}"]\ndeadline_s = 1.0')
+def remote_toml(tmp_path, address, extra: str = "", name: str = "tiers.toml"):
+    return tiers_toml(tmp_path, f'kind = "remote"\npeers = ["{address}"]\ndeadline_s = 1.0\n{extra}', name)
 
 
 def stored_then_host_reset(make_engine, tmp_path, toml=None):
@@ -143,3 +144,53 @@ def test_a_dead_peer_is_a_miss_and_the_request_recomputes(make_engine, tmp_path,
     lower = engine.manager.manager.lower
     assert lower.stats.promotions_done == 0
     assert lower.stats.promotions_failed >= 1
+
+
+@pytest.mark.multiprocess
+def test_with_lookup_wait_a_prefix_another_engine_put_loads_on_the_first_request(make_engine, tmp_path, peer):
+    writer = make_engine(kvtier_config=remote_toml(tmp_path, peer.address))
+    writer.add(PREFIX + list(range(500, 540)))
+    writer.run()
+    put = writer.manager.manager
+    assert put.lower.engine.wait_idle(10)
+    put.poll()
+    assert put.lower.stats.spills_done == 12
+
+    # Without a wait, vLLM stops at the first block it does not hold: the first request
+    # recomputes the prefix, and only asks the peer about that block.
+    unwaiting = make_engine(kvtier_config=remote_toml(tmp_path, peer.address, name="nowait.toml"))
+    cold = unwaiting.add(PREFIX + list(range(600, 630)))
+    unwaiting.run()
+    assert unwaiting.requests[cold].loaded == []
+    assert unwaiting.manager.manager.lower.stats.checks_asked == 1
+
+    # With one, the request waits a step or two while the peer is asked about all of it.
+    waiting = make_engine(
+        kvtier_config=remote_toml(tmp_path, peer.address, "lookup_wait_s = 8.0", name="wait.toml")
+    )
+    warm = waiting.add(PREFIX + list(range(600, 630)))
+    waiting.run()  # the harness checks every loaded block's bytes against the model's
+    record = waiting.requests[warm]
+    # Every full block: the prefix the writer put, and the block after it, which the
+    # unwaiting engine computed for the same prompt and put there too.
+    full = len(record.prompt) // BLOCK_SIZE * BLOCK_SIZE
+    assert record.loaded == [(0, full)]
+    assert not record.computed & set(range(full))
+    manager = waiting.manager.manager
+    assert manager.stats.retries >= full // BLOCK_SIZE
+    assert manager.lower.stats.promotions_done == full // BLOCK_SIZE
+    assert "kvtier_lookup_retries_total" in waiting.manager.metrics_text()
+
+    # A prompt nobody holds waits for the peers' answer, not for the whole wait: the
+    # request is deferred at least a step, and computed long before 8 s have passed.
+    for engine in (unwaiting, waiting):
+        cold = engine.add(list(range(2000, 2160)))
+        steps, started = 0, time.monotonic()
+        while not engine.requests[cold].computed:
+            engine.step()
+            steps += 1
+        if engine is waiting:
+            assert steps >= 2 and time.monotonic() - started < 8.0
+        else:
+            assert steps == 1
+        engine.run()

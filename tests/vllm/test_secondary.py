@@ -95,25 +95,10 @@ def test_rows_cascade_to_kvtier_and_are_promoted_back_byte_exact(tmp_path, secon
     try:
         (tier,) = manager.secondary_tiers
         assert isinstance(tier, KVTierDiskTier if secondary["type"] == "KVTierDiskTier" else KVTierRemoteTier)
-        view = manager.primary_tier.get_kv_memoryview()
-        rows = view.cast("B")
+        rows = manager.primary_tier.get_kv_memoryview().cast("B")
         row = tier.block_size_bytes
         keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
-        ctx = ReqContext("first")
-        with manager.lock:
-            manager.on_new_request(ctx)
-            out = manager.prepare_store(keys, ctx)
-        written = {}
-        for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
-            data = bytes((i * 7 + key[0]) % 256 for i in range(row))
-            rows[int(chunk) * row : (int(chunk) + 1) * row] = data
-            written[key] = data
-        with manager.lock:
-            manager.complete_store(keys, ctx)
-            manager.on_request_finished(ctx)
-        settle(
-            manager, lambda: all(tier.tier.may_contain(k) for k in keys) and not manager.has_pending_work()
-        )
+        written = store_rows(manager, keys, "first")
         stored = [k for e in manager.take_events() if e.ownership == tier.tier_type for k in e.keys]
         assert sorted(stored) == sorted(keys)
 
@@ -150,3 +135,63 @@ def test_tier_keys_are_validated_like_the_toml(tmp_path):
 
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.placment"):
         tiering_spec(tmp_path, placment="write-back").get_manager()
+
+
+def store_rows(manager, keys, req_id: str) -> dict:
+    """Store ``keys`` through vLLM's CPU tier (cascading to the secondary tier); their bytes."""
+    (tier,) = manager.secondary_tiers
+    rows = manager.primary_tier.get_kv_memoryview().cast("B")
+    row = tier.block_size_bytes
+    ctx = ReqContext(req_id)
+    with manager.lock:
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
+    written = {}
+    for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+        data = bytes((i * 5 + key[0]) % 256 for i in range(row))
+        rows[int(chunk) * row : (int(chunk) + 1) * row] = data
+        written[key] = data
+    with manager.lock:
+        manager.complete_store(keys, ctx)
+        manager.on_request_finished(ctx)
+    settle(manager, lambda: all(tier.tier.may_contain(k) for k in keys) and not manager.has_pending_work())
+    return written
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("wait", [0.0, 2.0])
+def test_a_peer_row_another_engine_put_is_found_and_promoted(tmp_path, wait):
+    from tests.tiers.peer_fixtures import start_peers
+
+    (peer,) = start_peers(tmp_path, 1, capacity="16MiB", row_bytes="64KiB")
+    remote = {"type": "KVTierRemoteTier", "module_path": "offload.vllm.secondary", "peers": [peer.address]}
+    writer = tiering_spec(tmp_path, remote).get_manager()
+    reader = tiering_spec(tmp_path, remote, lookup_wait_s=wait).get_manager()
+    try:
+        keys = [make_offload_key(bytes([40 + i]) * 32, 0) for i in range(3)]
+        written = store_rows(writer, keys, "writer")
+        (tier,) = reader.secondary_tiers
+        assert not any(tier.tier.may_contain(k) for k in keys)  # the reader never put them
+        ctx = ReqContext("reader")
+        with reader.lock:
+            reader.on_new_request(ctx)
+            first = [reader.lookup(key, ctx) for key in keys]
+        # Without a wait the first lookup is a miss (the peer is asked in the background);
+        # with one, vLLM is told to come back while the peer answers.
+        assert first[0] is (LookupResult.RETRY if wait else LookupResult.MISS)
+
+        def promoted():
+            with reader.lock:
+                return all(reader.lookup(key, ctx) is LookupResult.HIT for key in keys)
+
+        settle(reader, promoted)
+        rows = reader.primary_tier.get_kv_memoryview().cast("B")
+        with reader.lock:
+            spec_out = reader.prepare_load(keys, ctx)
+        size = tier.block_size_bytes
+        for key, chunk in zip(keys, spec_out.chunk_ids, strict=True):
+            assert bytes(rows[int(chunk) * size : (int(chunk) + 1) * size]) == written[key]
+    finally:
+        for manager in (reader, writer):
+            manager.shutdown()
+        peer.close()
