@@ -43,7 +43,16 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
 from bench.simulate import Tier, TierChain, device_prefix_hits
-from bench.traces import REAL_TRACE, Request, generate, load_jsonl, trace_stats
+from bench.traces import (
+    REAL_TRACE,
+    THINK_MEDIAN_MS,
+    THINK_SIGMA,
+    Request,
+    continuation_probability,
+    generate,
+    load_jsonl,
+    trace_stats,
+)
 from policies.base import Key
 from policies.hit_density import HitDensityPolicy
 from policies.placement import make_placement
@@ -138,12 +147,13 @@ def _phi(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
-def generator_value(turn: object, idle_ms: float, median_ms: float = 120_000.0, sigma: float = 0.95) -> float:
+def generator_value(
+    turn: object, idle_ms: float, median_ms: float = THINK_MEDIAN_MS, sigma: float = THINK_SIGMA
+) -> float:
     """P(the conversation goes on | turn, idle) / E[time until it does | it does, idle]."""
     mu = math.log(median_ms)
-    p = min(0.78, 0.22 + 0.09 * int(turn))  # type: ignore[call-overload]
-    survive = 1.0 if idle_ms <= 0 else 1.0 - _phi((math.log(idle_ms) - mu) / sigma)
-    posterior = p * survive / (p * survive + 1.0 - p)
+    survive = _survival(idle_ms, mu, sigma)
+    posterior = _goes_on(int(turn), survive)  # type: ignore[call-overload]
     mean = math.exp(mu + sigma * sigma / 2)
     if idle_ms <= 0:
         residual = mean
@@ -159,7 +169,15 @@ HORIZON_AGES_MS = [0.0] + [1000.0 * 1.15**i for i in range(80)]
 
 
 def _survival(t_ms: float, mu: float, sigma: float) -> float:
+    """P(T > t) for the log-normal think time T."""
     return 1.0 if t_ms <= 0 else 1.0 - _phi((math.log(t_ms) - mu) / sigma)
+
+
+def _goes_on(turn: int, survive: float) -> float:
+    """P(another turn | ``turn`` turns taken, no new one while the think time survived
+    with probability ``survive``)."""
+    p = continuation_probability(turn)
+    return p * survive / (p * survive + 1.0 - p)
 
 
 def _partial_mean(a_ms: float, b_ms: float, mu: float, sigma: float) -> float:
@@ -176,14 +194,15 @@ def _partial_mean(a_ms: float, b_ms: float, mu: float, sigma: float) -> float:
 
 
 @functools.cache
-def _horizon_index(turn: int, age_bin: int, median_ms: float = 120_000.0, sigma: float = 0.95) -> float:
+def _horizon_index(
+    turn: int, age_bin: int, median_ms: float = THINK_MEDIAN_MS, sigma: float = THINK_SIGMA
+) -> float:
     mu = math.log(median_ms)
     a = HORIZON_AGES_MS[age_bin]
-    p = min(0.78, 0.22 + 0.09 * turn)
     survive = _survival(a, mu, sigma)
     if survive < 1e-12:
         return 0.0
-    q = p * survive / (p * survive + 1.0 - p)  # P(another turn | idle a)
+    q = _goes_on(turn, survive)  # P(another turn | idle a)
     best = 0.0
     for h in HORIZON_AGES_MS[1:]:
         b = a + h

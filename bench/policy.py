@@ -437,15 +437,15 @@ def sweep_main(
     by_fraction = sweep_targets(sweep, args.sweep)
     print_sweep_targets(by_fraction)
     if args.json:
-        payload = {
-            "command": command,
-            "vllm": vllm_version,
-            "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "sweep": {name: [r.__dict__ for r in reports] for name, reports in sweep.items()},
-            "targets": by_fraction,
-        }
-        write_json(args.json, payload)
+        sweep_figures = {name: [r.__dict__ for r in reports] for name, reports in sweep.items()}
+        _write_figures(args, command, vllm_version, sweep=sweep_figures, targets=by_fraction)
     return 0
+
+
+def _write_figures(args: argparse.Namespace, command: str, vllm_version: str | None, **figures: Any) -> None:
+    """``--json``: the command, vLLM's version and the arguments, then ``figures``."""
+    config = {k: v for k, v in vars(args).items() if k != "json"}
+    write_json(args.json, {"command": command, "vllm": vllm_version, "config": config, **figures})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,15 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = targets(reports, throughput)
     print_targets(summary)
     if args.json:
-        payload = {
-            "command": command.strip(),
-            "vllm": vllm_version,
-            "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "traces": {name: r.__dict__ for name, r in reports.items()},
-            "throughput": throughput,
-            "targets": summary,
-        }
-        write_json(args.json, payload)
+        traces_figures = {name: r.__dict__ for name, r in reports.items()}
+        _write_figures(
+            args, command.strip(), vllm_version, traces=traces_figures, throughput=throughput, targets=summary
+        )
     return 0
 
 

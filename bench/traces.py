@@ -60,12 +60,22 @@ def _lognormal_int(rng: random.Random, median: float, sigma: float, low: int = 1
     return min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))
 
 
+THINK_MEDIAN_MS = 120_000.0
+THINK_SIGMA = 0.95
+"""``multi_turn``'s think time between turns: log-normal, this median and sigma."""
+
+
+def continuation_probability(turn: int) -> float:
+    """The chance that a ``multi_turn`` conversation goes on after its ``turn``-th turn."""
+    return min(0.78, 0.22 + 0.09 * turn)
+
+
 def multi_turn(
     seed: int = 0,
     sessions: int = 3_000,
     system_blocks: int = 1,
     mean_arrival_ms: float = 1_000.0,
-    think_median_ms: float = 120_000.0,
+    think_median_ms: float = THINK_MEDIAN_MS,
 ) -> list[Request]:
     """Chat sessions: each turn's prompt is the whole conversation so far plus a new message.
 
@@ -88,10 +98,10 @@ def multi_turn(
         turn = 1
         while True:
             requests.append(Request(t, context))
-            if rng.random() >= min(0.78, 0.22 + 0.09 * turn):
+            if rng.random() >= continuation_probability(turn):
                 break
             turn += 1
-            t += rng.lognormvariate(math.log(think_median_ms), 0.95)
+            t += rng.lognormvariate(math.log(think_median_ms), THINK_SIGMA)
             context = context + blocks.new(_lognormal_int(rng, 2.2, 1.4, high=60))
     return _sorted(requests)
 

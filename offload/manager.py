@@ -259,12 +259,8 @@ class OffloadingManager:
             if group >= self.num_groups or len(key) <= GROUP_BYTES:
                 self._group(key)  # raises the error that names the key
             wanted[group] += 1
-        if self.lower is not None:
-            for key in new_keys:
-                self.lower.observe(key)
-        evicted = self._make_room(wanted, protected=keys)
+        evicted = self._room_for(new_keys, wanted, keys)
         if evicted is None:
-            self.stats.rejected_stores += 1
             return None
 
         free_slots = [
@@ -289,12 +285,8 @@ class OffloadingManager:
         for key in new_keys:
             if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
                 self._group(key)  # raises the error that names the key
-        if self.lower is not None:
-            for key in new_keys:
-                self.lower.observe(key)
-        evicted = self._make_room([len(new_keys)], protected=keys)
+        evicted = self._room_for(new_keys, [len(new_keys)], keys)
         if evicted is None:
-            self.stats.rejected_stores += 1
             return None
         slots = self._allocators[0].allocate(len(new_keys)) if new_keys else []
         assert slots is not None, "eviction freed too few slots"
@@ -310,6 +302,20 @@ class OffloadingManager:
                 policy.on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
         return PrepareStoreOutput(new_keys, HostSlots(new_keys, slots), evicted)
+
+    def _room_for(
+        self, new_keys: list[OffloadKey], wanted: list[int], keys: Sequence[OffloadKey]
+    ) -> list[OffloadKey] | None:
+        """Count ``new_keys`` for the admission rules below, then evict so each group has
+        ``wanted[group]`` free slots (never a key of ``keys``): the victims, or ``None``
+        (a rejected store, counted) and no change."""
+        if self.lower is not None:
+            for key in new_keys:
+                self.lower.observe(key)
+        evicted = self._make_room(wanted, protected=keys)
+        if evicted is None:
+            self.stats.rejected_stores += 1
+        return evicted
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         self.poll()

@@ -234,13 +234,18 @@ class OffloadingWorker:
                 if layout
             }
             per = copier.blocks_per_row
-            plain = [(b, r) for b, r in zip(blocks, rows, strict=True) if r // per not in foreign]
-            if plain:
-                plain_plan.append((copier, [b for b, _ in plain], [r for _, r in plain]))
+            plain_blocks: list[int] = []
+            plain_rows: list[int] = []
             by_slot: dict[int, list[tuple[int, int]]] = {}
             for block, row in zip(blocks, rows, strict=True):
-                if row // per in foreign:
-                    by_slot.setdefault(row // per, []).append((block, row % per))
+                slot, sub_row = divmod(row, per)
+                if slot in foreign:
+                    by_slot.setdefault(slot, []).append((block, sub_row))
+                else:
+                    plain_blocks.append(block)
+                    plain_rows.append(row)
+            if plain_blocks:
+                plain_plan.append((copier, plain_blocks, plain_rows))
             loads = []
             for slot, pairs in by_slot.items():
                 source = self.converter.source(group, foreign[slot])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from policies.base import Evictable, EvictionPolicy, Key, always_evictable
+from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
 
 def segmented_hit(key: Key, probation: OrderedDict, protected: OrderedDict, protected_cap: int) -> bool:
@@ -69,15 +69,7 @@ class SLRUPolicy(EvictionPolicy):
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
         if n <= 0:
             return []
-        chosen: list[Key] = []
-        for segment in (self._probation, self._protected):
-            for key in segment:
-                if evictable(key):
-                    chosen.append(key)
-                    if len(chosen) == n:
-                        break
-            if len(chosen) == n:
-                break
+        chosen = take_evictable(self, evictable, n)  # probation's least recent first, then protected's
         if len(chosen) < n:
             return None
         for key in chosen:

@@ -80,6 +80,8 @@ _COUNTERS = (
     "read_errors",
 )
 _MISMATCHED = (ReadOutcome.MISMATCH, ReadOutcome.WRONG_LENGTH)
+STORE_ERRORS = (lmdb.Error, OSError)
+"""What a call into the files can raise (the index, or a read or write of the rows file)."""
 _Wanted = tuple[int, bytes, memoryview]  # a row of a get: its position, key and destination
 
 
@@ -218,7 +220,7 @@ class DiskTier(LowerTier):
             return
         try:
             self._store.write([self.namespace + key for key in victims], [], self.layout_id)
-        except (lmdb.Error, OSError) as exc:
+        except STORE_ERRORS as exc:
             raise TierError(f"disk tier at {self.path!r}: cannot shrink to the capacity: {exc}") from exc
         with self._index.mutex:
             self._index.book([], [], victims)
@@ -293,7 +295,7 @@ class DiskTier(LowerTier):
                     [(self.namespace + keys[row.index], views[row.index], row.seq) for row in planned],
                     self.layout_id,
                 )
-            except (lmdb.Error, OSError) as exc:
+            except STORE_ERRORS as exc:
                 with self._index.mutex:
                     self._index.undo(victims, used_before)
                     self._counters["write_errors"] += 1
@@ -322,7 +324,7 @@ class DiskTier(LowerTier):
             return
         try:
             self._store.write([self.namespace + key for key in present], [], self.layout_id)
-        except (lmdb.Error, OSError) as exc:
+        except STORE_ERRORS as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1
             self._warn_once(
@@ -388,7 +390,7 @@ class DiskTier(LowerTier):
             reads = self._store.read_into(
                 [(self.namespace + key, dst) for _, key, dst in chunk], self.layouts
             )
-        except (lmdb.Error, OSError) as exc:
+        except STORE_ERRORS as exc:
             with self._index.mutex:
                 self._counters["read_errors"] += 1
                 self._counters["misses"] += len(chunk)
@@ -415,7 +417,7 @@ class DiskTier(LowerTier):
             deleted = self._store.delete_corrupt(
                 [(self.namespace + key, write_id) for key, write_id in found]
             )
-        except (lmdb.Error, OSError) as exc:
+        except STORE_ERRORS as exc:
             with self._index.mutex:
                 self._counters["write_errors"] += 1
             self._warn_once(

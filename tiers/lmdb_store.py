@@ -52,7 +52,7 @@ import os
 import struct
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
 
@@ -352,13 +352,8 @@ class LmdbStore:
     def _write_runs(self, runs: Sequence[Run], buffers: list) -> None:
         fd = self._fd_or_raise()
         for offset, parts in _spans(runs, buffers):
-            total = sum(len(part) for part in parts)
-            while total:
-                done = os.pwritev(fd, parts, offset)
-                if done <= 0:
-                    raise OSError(errno.ENOSPC, "short write to the rows file")
-                offset, total = offset + done, total - done
-                parts = _advance(parts, done)
+            if not _vectored_fully(os.pwritev, fd, parts, offset):
+                raise OSError(errno.ENOSPC, "short write to the rows file")
 
     def delete_corrupt(self, found: Sequence[tuple[bytes, int]]) -> list[bytes]:
         """Delete each ``(key, write id)`` still indexed as that write; the keys deleted.
@@ -495,15 +490,7 @@ class LmdbStore:
 
     def _pread_fully(self, offset: int, parts: list[memoryview]) -> bool:
         """Fill ``parts`` from ``offset`` on; ``False`` if the file ends first."""
-        fd = self._read_fd()
-        total = sum(len(part) for part in parts)
-        while total:
-            done = os.preadv(fd, parts, offset)
-            if done <= 0:
-                return False
-            offset, total = offset + done, total - done
-            parts = _advance(parts, done)
-        return True
+        return _vectored_fully(os.preadv, self._read_fd(), parts, offset)
 
     # -- close ---------------------------------------------------------------------------
 
@@ -612,6 +599,21 @@ def _spans(runs: Sequence[Run], buffers: list, skip: int = 0) -> Iterator[tuple[
             yield offset, parts
         if not views:
             return
+
+
+def _vectored_fully(
+    call: Callable[[int, list[memoryview], int], int], fd: int, parts: list[memoryview], offset: int
+) -> bool:
+    """``os.preadv`` or ``os.pwritev`` until every byte of ``parts`` moved; ``False`` if a
+    call moves nothing (the file ends, or the disk is full)."""
+    total = sum(len(part) for part in parts)
+    while total:
+        done = call(fd, parts, offset)
+        if done <= 0:
+            return False
+        offset, total = offset + done, total - done
+        parts = _advance(parts, done)
+    return True
 
 
 def _advance(parts: list[memoryview], done: int) -> list[memoryview]:
