@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches as VllmCanonicalKVCaches
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from offload.layout import CanonicalKVCaches, CanonicalRef, CanonicalTensor
+from offload.vllm.compat import sliding_window_chunks
 
 ROW_ALIGNMENT = 64
 """Bands start at multiples of this: int64 copy words, and cache-line aligned rows."""
@@ -74,7 +75,7 @@ def config_fingerprint(config: OffloadingConfig, layout: HostLayout) -> str:
             {
                 "layers": list(group.layer_names),
                 "tokens_per_block": group.tokens_per_block,
-                "sliding_window_chunks": group.sliding_window_size_in_chunks,
+                "sliding_window_chunks": sliding_window_chunks(group),
             }
             for group in config.groups
         ],

@@ -14,7 +14,8 @@ adapter adds what only vLLM needs:
   recomputes it.
 - **reset_cache.** vLLM forgets its in-flight jobs at a reset and never completes them;
   their pins and unfinished stores are released here, lower-tier work is drained, and the
-  host tier is emptied. Until vLLM reports the reset's jobs flushed (``on_reset_flushed``)
+  host tier is emptied. Until vLLM reports the reset's jobs flushed (``on_reset_flushed``;
+  vLLM 0.32 has no such report: ``compat.UNFENCED_RESET_STEPS`` schedule ends instead)
   no promotion starts, so no tier writes into a slot a stale store may still be writing.
   Persisted rows in disk / remote tiers are kept (they are keyed by model and layout).
 - **Events** in vLLM's form (host: ``Medium.CPU``; disk: ``STORAGE``; remote: ``STORAGE``,
@@ -33,8 +34,6 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    ConfigInfo,
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -52,6 +51,7 @@ from offload.manager import LookupResult as KVTierLookup
 from offload.manager import OffloadingManager as KVTierManager
 from offload.metrics import manager_families
 from offload.tier_engine import OpKind, OpResult
+from offload.vllm.compat import HAS_RESET_FENCE, UNFENCED_RESET_STEPS, ConfigInfo, ConfigInfoMapping
 from offload.vllm.metrics import LatencyRecorder, StatsReporter
 from offload.vllm.worker_adapter import HostRowsSpec
 from tiers.host import HostTier
@@ -112,6 +112,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self._source: collections.OrderedDict[OffloadKey, str] = collections.OrderedDict()
         self._reset_pending = False
         self._flush_pending = False
+        self._unfenced_steps_left = 0  # vLLM 0.32: schedule ends until a reset's flush is deemed done
         self.latency = LatencyRecorder()
         self._reporter = StatsReporter()
         self._info = KVTierInfo(
@@ -228,13 +229,18 @@ class KVTierOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._reset_pending:
             self._retry_reset()
+        if self._flush_pending and not HAS_RESET_FENCE:
+            self._unfenced_steps_left -= 1
+            if self._unfenced_steps_left <= 0:
+                self.on_reset_flushed()
         self.manager.on_schedule_end()  # sends this step's promotions; HITs may be evicted again
         if not self.enable_events:
             self.manager.take_events()  # nobody publishes them: do not let them pile up
 
     def has_pending_work(self) -> bool:
         lower = self.manager.lower
-        return self._reset_pending or (lower is not None and lower.engine.inflight() > 0)
+        unfenced_flush = self._flush_pending and not HAS_RESET_FENCE  # keep stepping until it is deemed done
+        return self._reset_pending or unfenced_flush or (lower is not None and lower.engine.inflight() > 0)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.manager.take_events()
@@ -258,6 +264,10 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         manager = self.manager
+        # vLLM 0.33 reports when the reset's jobs are flushed (at once when there were none);
+        # 0.32 does not: only jobs in flight now, known by their pins and stores, need a flush.
+        self._flush_pending = HAS_RESET_FENCE or bool(self._pins or self._storing)
+        self._unfenced_steps_left = UNFENCED_RESET_STEPS
         for key, pins in self._pins.items():
             for _ in range(pins):
                 manager.complete_load([key])
@@ -269,7 +279,6 @@ class KVTierOffloadingManager(OffloadingManager):
         self._promoting.clear()
         self._failed.clear()
         self._source.clear()
-        self._flush_pending = True
         if manager.lower is not None and not manager.lower.engine.wait_idle(_DRAIN_TIMEOUT_S):
             log.warning("kvtier reset: lower-tier transfers still running after %.0f s", _DRAIN_TIMEOUT_S)
         self._reset_pending = True

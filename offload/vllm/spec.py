@@ -1,4 +1,4 @@
-"""``KVTierOffloadingSpec``: kvtier as a vLLM offloading spec (vLLM 0.33).
+"""``KVTierOffloadingSpec``: kvtier as a vLLM offloading spec (vLLM 0.32 and 0.33).
 
 .. code-block:: text
 
@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from offload.stack import build_manager
 from offload.vllm.canonical import HostLayout, config_fingerprint, to_kvtier_caches
+from offload.vllm.compat import check_vllm_version
 from offload.vllm.manager_adapter import KVTierInfo, KVTierOffloadingManager
 from offload.vllm.metrics import metric_definitions
 from offload.vllm.settings import SpecSettings
@@ -48,6 +49,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         return KVTierInfo.config_info_keys()
 
     def __init__(self, config: OffloadingConfig) -> None:
+        check_vllm_version()  # vLLM's factory builds the spec: say here what is wrong with the install
         super().__init__(config)
         self.settings = SpecSettings.from_extra_config(config.extra_config, model=config.model.name)
         self.layout = HostLayout.from_config(config)
