@@ -114,6 +114,8 @@ class KVTierOffloadingManager(OffloadingManager):
         self._flush_pending = False
         self._unfenced_steps_left = 0  # vLLM 0.32: schedule ends until a reset's flush is deemed done
         self.latency = LatencyRecorder()
+        # Rows loaded into vLLM's device cache, by the tier they were found in (host: already there).
+        self.loads_by_tier: collections.Counter[str] = collections.Counter()
         self._reporter = StatsReporter()
         self._info = KVTierInfo(
             kvtier_tiers=",".join(["host", *(t.kind for t in self._lower_tiers())]),
@@ -182,7 +184,7 @@ class KVTierOffloadingManager(OffloadingManager):
             if self._pins[key] <= 0:
                 del self._pins[key]
                 started = self._load_started.pop(key, started)
-            self._source.pop(key, None)
+            self.loads_by_tier[self._source.pop(key, "host")] += 1
         if started is not None:
             self.latency.observe("load", "host", time.monotonic() - started)
 

@@ -1,0 +1,208 @@
+"""kvtier inside vLLM's real CPU engine: a prefix reset out of vLLM's device cache comes back
+from kvtier, and the model's output is token- and logprob-exact.
+
+The reference for "exact" is the same engine reusing its own device prefix cache for the
+same prompt: the same KV attended, so the same logprobs to the last bit. A prefill from
+scratch is a different computation (its logprobs differ in the third decimal), so a run
+that recomputed instead of loading would not pass for a load; a run that loaded the wrong
+bytes would not either: another document's output differs, which every test checks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import document
+
+BLOCK = 32
+DOC = document(1, 1200)
+OTHER = document(2, 1200)
+FULL_BLOCKS = (len(DOC) - 1) // BLOCK  # vLLM caches whole blocks, never the prompt's last token
+ROWS = FULL_BLOCKS  # one host row per block (blocks_per_chunk = 1)
+
+
+def lower_tier_config(kind: str, tmp_path: Path, **tier: Any) -> dict[str, Any]:
+    """The host tier, then one lower tier written through (every stored row is spilled)."""
+    lower = {"kind": kind, "capacity": "128MiB", "placement": "write-through", **tier}
+    if kind == "disk":
+        lower.setdefault("path", str(tmp_path / "disk"))
+        lower.setdefault("admission", "all")
+    return {"tiers": [{"kind": "host", "eviction": "lru"}, lower]}
+
+
+def wait_spilled(engine: Any, rows: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Until ``rows`` rows have been spilled below the host tier (they spill in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.kvtier_stats()
+        if stats["lower"]["spills_done"] >= rows and stats["lower_inflight"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"rows not spilled in {timeout_s} s: {stats}"
+        time.sleep(0.2)
+
+
+def cold_and_reference(engine: Any) -> tuple[Any, Any]:
+    """The document computed (kvtier stores it), then again from vLLM's own device cache."""
+    cold = engine.generate([DOC])[0]
+    assert cold.num_cached_tokens == 0
+    reference = engine.generate([DOC])[0]
+    assert reference.num_cached_tokens == FULL_BLOCKS * BLOCK
+    assert reference.external_cached_tokens == 0, "the device prefix cache, not kvtier"
+    return cold, reference
+
+
+def assert_exact(actual: Any, expected: Any) -> None:
+    assert actual.tokens == expected.tokens
+    assert actual.logprobs == expected.logprobs
+
+
+def assert_another_document_differs(engine: Any, reference: Any) -> None:
+    """The check can fail: another document's output is not the document's."""
+    other = engine.generate([OTHER])[0]
+    assert other.tokens != reference.tokens
+
+
+@pytest.fixture
+def peer(tmp_path: Path):
+    from tests.tiers.peer_fixtures import start_peers
+
+    (process,) = start_peers(tmp_path, capacity="128MiB", row_bytes="128KiB")
+    yield process
+    process.close()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path):
+    pytest.importorskip("mooncake.store")
+    from tests.tiers.mooncake_fixtures import start_master
+
+    master = start_master(tmp_path)
+    yield master
+    master.close()
+
+
+def chain(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any] | None:
+    if kind == "host":
+        return None
+    if kind == "disk":
+        return lower_tier_config("disk", tmp_path)
+    if kind == "remote":
+        peer = request.getfixturevalue("peer")
+        return lower_tier_config("remote", tmp_path, peers=[peer.address], deadline_s=2.0)
+    master = request.getfixturevalue("mooncake_master")
+    return lower_tier_config("mooncake", tmp_path, master=master.address, deadline_s=2.0)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk", "remote", "mooncake"])
+def test_a_reset_prefix_comes_back_from_kvtier_token_and_logprob_exact(kind, make_engine, tmp_path, request):
+    engine = make_engine(kvtier_config=chain(kind, tmp_path, request))
+    _cold, reference = cold_and_reference(engine)
+    if kind != "host":
+        wait_spilled(engine, ROWS)
+    # The device prefix cache is emptied; below the host tier, kvtier's host tier too.
+    assert engine.reset_prefix_cache(connector=kind != "host")
+
+    again = engine.generate([DOC])[0]
+
+    assert again.external_cached_tokens == FULL_BLOCKS * BLOCK, "the whole prefix from kvtier"
+    assert_exact(again, reference)
+    assert engine.kvtier_stats()["loaded_rows_by_tier"] == {kind: ROWS}
+    assert_another_document_differs(engine, reference)
+
+
+def test_without_kvtier_the_reset_prefix_is_recomputed(make_engine):
+    """The control: vLLM alone recomputes the prefix, and its output is the cold run's, not
+    the reference's (so the exact check above tells a load from a recompute)."""
+    engine = make_engine(kvtier=False)
+    cold, reference = cold_and_reference(engine)
+    assert engine.reset_prefix_cache()
+    again = engine.generate([DOC])[0]
+    assert again.num_cached_tokens == 0
+    assert_exact(again, cold)
+    assert again.logprobs != reference.logprobs
+
+
+def test_tensor_parallel_workers_share_the_host_tier_with_the_scheduler(make_engine):
+    engine = make_engine(tensor_parallel_size=2)
+    _cold, reference = cold_and_reference(engine)
+    assert engine.reset_prefix_cache()
+    again = engine.generate([DOC])[0]
+    assert again.external_cached_tokens == FULL_BLOCKS * BLOCK
+    assert_exact(again, reference)
+    assert_another_document_differs(engine, reference)
+
+
+def test_a_corrupt_disk_row_is_recomputed_never_loaded(make_engine, tmp_path):
+    from tiers.lmdb_store import ROWS_FILE
+
+    engine = make_engine(kvtier_config=lower_tier_config("disk", tmp_path))
+    cold, reference = cold_and_reference(engine)
+    wait_spilled(engine, ROWS)
+    rows_file = next((tmp_path / "disk").rglob(ROWS_FILE))
+    with rows_file.open("r+b") as handle:  # every row's bytes flipped, the file's size kept
+        data = bytearray(handle.read())
+        handle.seek(0)
+        handle.write(bytes(b ^ 0x5A for b in data))
+    assert engine.reset_prefix_cache(connector=True)
+
+    again = engine.generate([DOC])[0]
+
+    assert again.external_cached_tokens == 0
+    assert_exact(again, cold)  # recomputed from scratch, as the cold run was
+    stats = engine.kvtier_stats()
+    assert stats["lower"]["promotions_failed"] >= 1
+    assert stats["loaded_rows_by_tier"].get("disk", 0) == 0
+
+
+def test_a_killed_peer_means_a_recompute_not_a_hang(make_engine, tmp_path, peer):
+    engine = make_engine(
+        kvtier_config=lower_tier_config("remote", tmp_path, peers=[peer.address], deadline_s=2.0)
+    )
+    cold, _reference = cold_and_reference(engine)
+    wait_spilled(engine, ROWS)
+    peer.kill()
+    assert engine.reset_prefix_cache(connector=True)
+
+    started = time.monotonic()
+    again = engine.generate([DOC])[0]
+
+    assert time.monotonic() - started < 60
+    assert again.external_cached_tokens == 0
+    assert_exact(again, cold)
+
+
+def test_an_engine_restarted_over_the_same_disk_finds_the_prefix(make_engine, tmp_path):
+    config = lower_tier_config("disk", tmp_path)
+    first = make_engine(kvtier_config=config)
+    _cold, reference = cold_and_reference(first)
+    wait_spilled(first, ROWS)
+    first.close()
+
+    second = make_engine(kvtier_config=config)
+    again = second.generate([DOC])[0]
+
+    assert again.external_cached_tokens == FULL_BLOCKS * BLOCK
+    assert_exact(again, reference)
+    assert second.kvtier_stats()["loaded_rows_by_tier"] == {"disk": ROWS}
+
+
+def test_preemption_under_a_small_device_cache_finishes_every_request(make_engine):
+    """Four requests whose decodes outgrow an 80-block device cache: vLLM preempts some, and
+    each comes back (its prefix from kvtier); every request finishes, with the tokens it has
+    when it runs alone."""
+    engine = make_engine()
+    prompts = [document(10 + i, 600) for i in range(4)]
+    alone = [engine.generate([p], max_tokens=64)[0] for p in prompts]
+    assert engine.reset_prefix_cache()
+
+    together = engine.generate(prompts, max_tokens=64)
+
+    assert [len(c.tokens) for c in together] == [64] * 4
+    assert sum(c.preemptions for c in together) >= 1
+    for batch, single in zip(together, alone, strict=True):
+        assert batch.tokens[:8] == single.tokens[:8]
+    assert engine.kvtier_stats()["loaded_rows_by_tier"].get("host", 0) > 0
