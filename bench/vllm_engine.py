@@ -155,6 +155,8 @@ class EngineProcess:
         return self._receive(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
+        if self._log.closed:
+            return
         if self.process.poll() is None:
             with contextlib.suppress(EngineError, OSError):
                 self.call({"op": "shutdown"}, timeout_s)
@@ -166,9 +168,9 @@ class EngineProcess:
         self._log.close()
 
     def kill(self) -> None:
+        """SIGKILL the engine process (its workers die with it: vLLM's workers watch their parent)."""
         self.process.kill()
         self.process.wait()
-        self._log.close()
 
     # -- the pipe ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ mapping (under ``/dev/shm``), so a scheduler process and worker processes see th
 
 from __future__ import annotations
 
+import fcntl
 import heapq
 import logging
 import os
@@ -82,7 +83,12 @@ class HostTier:
         *,
         pin: bool | None = None,
         shm_path: str | None = None,
+        sharers: int | None = None,
     ) -> None:
+        """``sharers``: with ``shm_path``, how many mappings the file gets in all (the
+        scheduler's and each worker's); the one that completes the count unlinks the file, so
+        nothing is left in ``/dev/shm`` however the processes exit later. ``None``: whoever
+        owns the file unlinks it at ``close(unlink=True)``."""
         if not row_bytes or any(size <= 0 for size in row_bytes):
             raise ValueError(f"row_bytes must be positive per group, got {list(row_bytes)}")
         bytes_per_slot = sum(row_bytes)
@@ -97,7 +103,7 @@ class HostTier:
         self.pinned = cuda_available() if pin is None else pin
         self.shm_path = shm_path
         self.buffer, self.pinned = _allocate(
-            num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path
+            num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path, sharers=sharers
         )
         self.slabs: list[torch.Tensor] = []
         offset = 0
@@ -156,7 +162,13 @@ def _filesystem(path: str) -> str:
     return kind
 
 
-def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> tuple[torch.Tensor, bool]:
+MAPPINGS_TRAILER = 4096
+"""A page after the rows of a shared file: a count of the mappings made so far (``sharers``)."""
+
+
+def _allocate(
+    nbytes: int, *, pinned: bool, shm_path: str | None, sharers: int | None = None
+) -> tuple[torch.Tensor, bool]:
     """The tier's buffer, and whether it is pinned after all."""
     if shm_path is None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned
@@ -164,14 +176,20 @@ def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> tuple[torch
     # if needed, never truncate what another process may already be using.
     fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the count below is read, bumped and acted on by one process
+        file_bytes = nbytes + MAPPINGS_TRAILER
         size = os.fstat(fd).st_size
-        if size < nbytes:
-            os.ftruncate(fd, nbytes)
-        elif size > nbytes:
-            raise ValueError(f"{shm_path} holds {size} B, this host tier needs {nbytes} B: another layout?")
+        if size < file_bytes:
+            os.ftruncate(fd, file_bytes)
+        elif size > file_bytes:
+            raise ValueError(
+                f"{shm_path} holds {size} B, this host tier needs {file_bytes} B: another layout?"
+            )
+        buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
+        if sharers is not None:
+            _count_mapping(fd, shm_path, nbytes, sharers)
     finally:
-        os.close(fd)
-    buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
+        os.close(fd)  # also releases the lock
     filesystem = _filesystem(shm_path) if pinned else ""
     if pinned and filesystem not in PINNABLE_FILESYSTEMS:
         # Linux (>= 6.5) refuses to pin pages of a file on a disk filesystem for long: seen on
@@ -191,3 +209,17 @@ def _allocate(nbytes: int, *, pinned: bool, shm_path: str | None) -> tuple[torch
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} B at {shm_path} failed: error {int(err)}")
     return buffer, pinned
+
+
+def _count_mapping(fd: int, shm_path: str, nbytes: int, sharers: int) -> None:
+    """Count this mapping in the file's trailer; the last of ``sharers`` unlinks the file.
+
+    Once every process has mapped it, the name is no longer needed: the memory lives as long
+    as some mapping does, and no exit, however abrupt, can leave it behind (vLLM's own shared
+    offload region does the same). The caller holds the file's lock.
+    """
+    mapped = int.from_bytes(os.pread(fd, 8, nbytes), "little") + 1
+    os.pwrite(fd, mapped.to_bytes(8, "little"), nbytes)
+    if mapped >= sharers:
+        os.unlink(shm_path)
+        log.info("host tier: %s mapped by all %d processes; its name is removed", shm_path, sharers)

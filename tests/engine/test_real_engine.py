@@ -140,7 +140,7 @@ def test_a_corrupt_disk_row_is_recomputed_never_loaded(make_engine, tmp_path):
     from tiers.lmdb_store import ROWS_FILE
 
     engine = make_engine(kvtier_config=lower_tier_config("disk", tmp_path))
-    cold, reference = cold_and_reference(engine)
+    cold, _reference = cold_and_reference(engine)
     wait_spilled(engine, ROWS)
     rows_file = next((tmp_path / "disk").rglob(ROWS_FILE))
     with rows_file.open("r+b") as handle:  # every row's bytes flipped, the file's size kept
@@ -206,3 +206,12 @@ def test_preemption_under_a_small_device_cache_finishes_every_request(make_engin
     for batch, single in zip(together, alone, strict=True):
         assert batch.tokens[:8] == single.tokens[:8]
     assert engine.kvtier_stats()["loaded_rows_by_tier"].get("host", 0) > 0
+
+
+def test_a_killed_engine_leaves_no_shared_memory(make_engine, shm_dir):
+    """SIGKILL gives nobody a chance to clean up: the host-tier file's name is already gone
+    once the scheduler and the worker have mapped it (the fixture checks ``shm_dir``)."""
+    engine = make_engine(tensor_parallel_size=2)
+    assert engine.generate([DOC[:100]])[0].tokens
+    assert list(shm_dir.iterdir()) == []
+    engine.kill()

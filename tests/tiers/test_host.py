@@ -71,3 +71,16 @@ def test_the_filesystem_of_a_path_decides_whether_a_shared_file_can_be_pinned():
     assert _filesystem("/proc/self/status") == "proc"
     if os.path.ismount("/dev/shm"):
         assert _filesystem("/dev/shm/kvtier_host.mmap") in PINNABLE_FILESYSTEMS
+
+
+def test_a_shared_file_is_unlinked_once_every_sharer_has_mapped_it(tmp_path):
+    path = str(tmp_path / "kvtier_test.mmap")
+    first = HostTier([64], 64 * 4, pin=False, shm_path=path, sharers=3)
+    second = HostTier([64], 64 * 4, pin=False, shm_path=path, sharers=3)
+    assert os.path.exists(path), "two of three mapped: the name is still needed"
+    third = HostTier([64], 64 * 4, pin=False, shm_path=path, sharers=3)
+    assert not os.path.exists(path)
+    first.row(0, 1)[:] = 7  # one memory, whatever the name
+    assert int(second.row(0, 1)[0]) == int(third.row(0, 1)[-1]) == 7
+    for tier in (first, second, third):
+        tier.close(unlink=True)  # the owner's unlink finds nothing to remove: no error
