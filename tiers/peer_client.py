@@ -111,7 +111,8 @@ class PeerClient:
                     frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
                 except (asyncio.IncompleteReadError, ConnectionError) as exc:
                     raise PeerUnavailable(
-                        f"{address}: closed during the handshake (wrong token, or tenant {tenant!r} not granted?)"
+                        f"{address}: closed during the handshake "
+                        f"(wrong token, or tenant {tenant!r} not granted?)"
                     ) from exc
                 except proto.AuthenticationError as exc:
                     raise PeerUnavailable(f"{address}: the WELCOME does not verify: {exc}") from exc

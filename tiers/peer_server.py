@@ -28,8 +28,8 @@ Availability: a connection has ``--handshake-timeout`` to authenticate; at most
 ``MAX_UNAUTHENTICATED_PER_SOURCE`` unauthenticated connections per source address and
 ``MAX_UNAUTHENTICATED`` in all are kept (a new one pushes out the oldest, so idle sockets
 cannot lock a real client out); ``--max-connections`` counts authenticated connections only.
-UCX is bound to the interface of ``--listen`` (``UCX_NET_DEVICES``) unless the user set it. SIGTERM or SIGINT stops the
-peer cleanly (exit status 0). When ready it writes one line to stdout,
+UCX is bound to the interface of ``--listen`` (``UCX_NET_DEVICES``) unless the user set it.
+SIGTERM or SIGINT stops the peer cleanly (exit status 0). When ready it writes one line to stdout,
 ``kvtier peer listening on HOST:PORT ...``, which is how scripts and tests learn a port
 chosen with ``:0``. Everything else goes to the log (stderr).
 """
@@ -400,7 +400,7 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
     parser.add_argument(
         "--token-file",
         metavar="F",
-        help="'tenant: token' lines (each tenant an equal quota), or one bare token granting tenant 'default'",
+        help="'tenant: token' lines (each tenant an equal quota), or one token granting tenant 'default'",
     )
     parser.add_argument("--policy", default="lru", metavar="NAME", help="eviction policy (lru)")
     parser.add_argument(
