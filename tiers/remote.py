@@ -160,7 +160,8 @@ class RemoteTier(LowerTier):
     this client proves to the peers (``None``: peers started without one); ``tenant``: the
     tenant it claims there, which that token must grant (else the peer refuses it).
     ``deadline_s``: the most any call takes (control messages and transfers together).
-    ``backoff_s``/``max_backoff_s``: how long a failed peer rests before it is tried again (doubling per failure).
+    ``backoff_s``/``max_backoff_s``: how long a failed peer rests before it is tried again
+    (doubling per failure).
     ``transfer_bytes``: rows per NIXL request are cut at about this many bytes (at least one
     row; one descriptor per row). ``keys_per_request``: keys per control message (the
     protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many stored keys
