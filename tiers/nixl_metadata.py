@@ -23,6 +23,10 @@ MAX_BACKENDS = 8
 MAX_SECTIONS = 8
 MAX_DESCRIPTORS = 1024
 MAX_BLOB_BYTES = 16 << 10
+REGION_SLACK = (2 << 20) + 4096
+"""How much larger than pool + probe a peer's registered buffer may be: it aligns slot 0 to
+2 MiB inside it and keeps a few bytes of probe area (``tiers/peer_server.py``)."""
+_DRAM_SEG = bytes(4)  # NIXL's memory type of host memory: a peer serves nothing else
 _U64 = struct.Struct("<Q")
 _DESC = struct.Struct("<QQQ")  # address, length, device id; NIXL's own meta info follows
 
@@ -92,8 +96,8 @@ def parse_agent_metadata(data: bytes, max_bytes: int = 64 << 10) -> AgentMetadat
             raise MetadataError("a memory section for a backend that has no connection info")
         if cur.field(b"nixlDList", 64) != b"nixlSDList":
             raise MetadataError("a memory section that is not a descriptor list")
-        if len(cur.field(b"t", 8)) != 4:
-            raise MetadataError("a memory type that is not one")
+        if cur.field(b"t", 8) != _DRAM_SEG:
+            raise MetadataError("a memory section that is not host memory (DRAM)")  # a flip here crashed NIXL
         for _ in range(cur.count(b"n", MAX_DESCRIPTORS)):
             desc = cur.field(b"", 1024)
             if len(desc) < _DESC.size:
@@ -112,14 +116,20 @@ def parse_agent_metadata(data: bytes, max_bytes: int = 64 << 10) -> AgentMetadat
     return AgentMetadata(name, names, tuple(regions))
 
 
-def check_peer_metadata(data: bytes, agent_name: str, start: int, end: int) -> AgentMetadata:
+def check_peer_metadata(
+    data: bytes, agent_name: str, start: int, end: int, slack: int = REGION_SLACK
+) -> AgentMetadata:
     """``parse_agent_metadata``, plus: the agent is ``agent_name``, speaks UCX and registers
-    one region covering ``[start, end)`` (the pool and probe its WELCOME announced)."""
+    one host region (device 0) covering ``[start, end)`` (the pool and probe its WELCOME
+    announced) and at most ``slack`` bytes more (a peer aligns its pool inside its buffer)."""
     md = parse_agent_metadata(data)
     if md.name != agent_name:
         raise MetadataError(f"metadata of agent {md.name!r}, the peer announced {agent_name!r}")
     if "UCX" not in md.backends:
         raise MetadataError("the peer's agent has no UCX backend")
-    if not any(addr <= start and end <= addr + length for addr, length, _ in md.regions):
-        raise MetadataError("no registered region covers the pool the peer announced")
+    if not any(
+        device == 0 and addr <= start and end <= addr + length and length <= end - start + slack
+        for addr, length, device in md.regions
+    ):
+        raise MetadataError("no registered region matches the pool the peer announced")
     return md
