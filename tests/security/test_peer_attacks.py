@@ -164,6 +164,22 @@ async def _rows_still_there(address: str, keys: list[bytes], rows: HostRows) -> 
 
 
 @multiprocess
+async def test_a_relay_that_only_forwards_changes_nothing(spawn):
+    """The control for the relay tests: their misses come from the tampering, not the relay."""
+    (peer,) = spawn(token=VICTIM_TOKEN)
+    rows, keys = rows_and_keys(4, seed=12)
+    async with (
+        Relay(peer.port) as relay,
+        open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier,
+    ):
+        assert await tier.put(pairs(keys, rows.src)) == [True] * 4
+        rows.clear_dst()
+        assert await tier.get(pairs(keys, rows.dst)) == [True] * 4
+        assert all(rows.same(i) for i in range(4)) and tier.stats()["peer_failures"] == 0
+    assert {proto.Msg.WELCOME, proto.Msg.LEASED} <= {frame_type(f) for f in relay.seen[S2C]}
+
+
+@multiprocess
 async def test_a_relay_cannot_inject_a_delete(spawn):
     (peer,) = spawn(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=6)
@@ -175,11 +191,13 @@ async def test_a_relay_cannot_inject_a_delete(spawn):
             return [_delete_frame(keys), frame]  # a DELETE slipped in before the client's GET
         return [frame]
 
-    async with Relay(peer.port, inject) as relay:
-        async with open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier:
-            rows.clear_dst()
-            assert await tier.get(pairs(keys, rows.dst)) == [False] * 4  # the connection was closed
-            assert tier.stats()["peer_failures"] == 1
+    async with (
+        Relay(peer.port, inject) as relay,
+        open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier,
+    ):
+        rows.clear_dst()
+        assert await tier.get(pairs(keys, rows.dst)) == [False] * 4  # the connection was closed
+        assert tier.stats()["peer_failures"] == 1
     assert await _rows_still_there(peer.address, keys, rows)
 
 
@@ -187,16 +205,18 @@ async def test_a_relay_cannot_inject_a_delete(spawn):
 async def test_a_relay_cannot_replay_a_frame(spawn):
     (peer,) = spawn(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=7)
-    async with Relay(peer.port) as relay:
-        async with open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier:
-            assert await tier.put(pairs(keys, rows.src)) == [True] * 4
-            await tier.delete(keys[:1])  # the relay records this DELETE ...
-            assert await tier.put(pairs(keys[:1], rows.src[:1])) == [True]  # ... the row comes back
-            (recorded,) = [f for f in relay.seen[C2S] if frame_type(f) == proto.Msg.DELETE]
-            relay.inject_to_peer(recorded)  # ... and the relay replays the DELETE
-            await asyncio.sleep(0.3)
-            rows.clear_dst()
-            assert await tier.get(pairs(keys, rows.dst)) == [False] * 4  # the peer closed on it
+    async with (
+        Relay(peer.port) as relay,
+        open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier,
+    ):
+        assert await tier.put(pairs(keys, rows.src)) == [True] * 4
+        await tier.delete(keys[:1])  # the relay records this DELETE ...
+        assert await tier.put(pairs(keys[:1], rows.src[:1])) == [True]  # ... the row comes back
+        (recorded,) = [f for f in relay.seen[C2S] if frame_type(f) == proto.Msg.DELETE]
+        relay.inject_to_peer(recorded)  # ... and the relay replays the DELETE
+        await asyncio.sleep(0.3)
+        rows.clear_dst()
+        assert await tier.get(pairs(keys, rows.dst)) == [False] * 4  # the peer closed on it
     assert await _rows_still_there(peer.address, keys, rows)
 
 
@@ -223,10 +243,12 @@ async def test_a_relay_cannot_rewrite_the_welcome(spawn, what):
             return [_rewrite_at(frame, at)]
         return [frame]
 
-    async with Relay(peer.port, rewrite) as relay:
-        async with open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier:
-            assert tier.peers_up() == []
-            assert await tier.put(pairs(keys, rows.src)) == [False] * 4
+    async with (
+        Relay(peer.port, rewrite) as relay,
+        open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier,
+    ):
+        assert tier.peers_up() == []
+        assert await tier.put(pairs(keys, rows.src)) == [False] * 4
     async with open_tier([peer.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as clean:
         assert await clean.contains(keys) == [False] * 4  # nothing was written anywhere
 
@@ -250,12 +272,14 @@ async def test_a_relay_cannot_rewrite_leased_row_headers(spawn):
             return [bytes(out)]
         return [frame]
 
-    async with Relay(peer.port, swap) as relay:
-        async with open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier:
-            rows.clear_dst()
-            assert await tier.get(pairs(keys, rows.dst)) == [False] * 4
-            assert not rows.buffer[4 * ROW :].any()  # not one byte of a misplaced row served
-            assert tier.stats()["peer_failures"] == 1
+    async with (
+        Relay(peer.port, swap) as relay,
+        open_tier([relay.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier,
+    ):
+        rows.clear_dst()
+        assert await tier.get(pairs(keys, rows.dst)) == [False] * 4
+        assert not rows.buffer[4 * ROW :].any()  # not one byte of a misplaced row served
+        assert tier.stats()["peer_failures"] == 1
 
 
 # -- a hostile peer's metadata -----------------------------------------------------------
