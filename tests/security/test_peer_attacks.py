@@ -151,8 +151,11 @@ async def test_flooding_one_tenant_does_not_evict_another(spawn, tenants):
 
 
 def _delete_frame(keys: list[bytes]) -> bytes:
-    payload = proto.encode_keys(keys)
-    return struct.pack("<IBI", 5 + len(payload) + proto.TAG_BYTES, proto.Msg.DELETE, 1) + payload + bytes(16)
+    """A DELETE of the victim's keys as the peer names them (namespace + key), with a tag the
+    relay cannot compute and a request id the client never uses (so its reply is dropped)."""
+    payload = proto.encode_keys([NAMESPACE + k for k in keys])
+    head = struct.pack("<IBI", 5 + len(payload) + proto.TAG_BYTES, proto.Msg.DELETE, 0x7777777)
+    return head + payload + bytes(proto.TAG_BYTES)
 
 
 async def _rows_still_there(address: str, keys: list[bytes], rows: HostRows) -> bool:
@@ -220,14 +223,21 @@ async def test_a_relay_cannot_replay_a_frame(spawn):
     assert await _rows_still_there(peer.address, keys, rows)
 
 
-def _rewrite_at(frame: bytes, offset: int) -> bytes:
+WELCOME_AT = 4 + 5  # length, type, request id
+SLOTS_AT = WELCOME_AT + proto.INSTANCE_ID_BYTES + 8
+
+
+def _rewrite_welcome(frame: bytes, what: str) -> bytes:
+    """Rewrites that pass every check but the tag: the pool one slot earlier (the client
+    would WRITE each row one slot off, over another row, and READ the wrong ones), or one
+    byte of the NIXL metadata that NIXL accepts."""
     out = bytearray(frame)
-    out[offset] ^= 0x01
+    if what == "pool address":
+        slot_bytes, num_slots, pool_addr = struct.unpack_from("<QIQ", out, WELCOME_AT + proto.INSTANCE_ID_BYTES)
+        struct.pack_into("<IQ", out, SLOTS_AT, num_slots + 1, pool_addr - slot_bytes)
+    else:
+        out[-proto.TAG_BYTES - 2] ^= 0x01  # the last byte of the region's meta info
     return bytes(out)
-
-
-WELCOME_BODY = 4 + 5  # length, type, request id
-POOL_ADDR_AT = WELCOME_BODY + proto.INSTANCE_ID_BYTES + 8 + 4
 
 
 @multiprocess
@@ -238,9 +248,7 @@ async def test_a_relay_cannot_rewrite_the_welcome(spawn, what):
 
     def rewrite(direction: str, index: int, frame: bytes) -> list[bytes]:
         if direction == S2C and frame_type(frame) == proto.Msg.WELCOME:
-            # the pool address (where the client would WRITE), or a byte of the NIXL metadata
-            at = POOL_ADDR_AT + 1 if what == "pool address" else len(frame) - proto.TAG_BYTES - 20
-            return [_rewrite_at(frame, at)]
+            return [_rewrite_welcome(frame, what)]
         return [frame]
 
     async with (
