@@ -24,7 +24,7 @@ log = logging.getLogger("kvtier.peer")
 _SIOCGIFADDR = 0x8915
 
 
-def _ipv4_of(name: str) -> str | None:
+def ipv4_of(name: str) -> str | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
@@ -62,7 +62,7 @@ def interface_of(host: str) -> str | None:
     if address.version == 6:
         return _ipv6_interfaces().get(str(address))
     for _, name in socket.if_nameindex():
-        if _ipv4_of(name) == str(address):
+        if ipv4_of(name) == str(address):
             return name
     return None
 

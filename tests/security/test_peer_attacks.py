@@ -233,7 +233,9 @@ def _rewrite_welcome(frame: bytes, what: str) -> bytes:
     byte of the NIXL metadata that NIXL accepts."""
     out = bytearray(frame)
     if what == "pool address":
-        slot_bytes, num_slots, pool_addr = struct.unpack_from("<QIQ", out, WELCOME_AT + proto.INSTANCE_ID_BYTES)
+        slot_bytes, num_slots, pool_addr = struct.unpack_from(
+            "<QIQ", out, WELCOME_AT + proto.INSTANCE_ID_BYTES
+        )
         struct.pack_into("<IQ", out, SLOTS_AT, num_slots + 1, pool_addr - slot_bytes)
     else:
         out[-proto.TAG_BYTES - 2] ^= 0x01  # the last byte of the region's meta info
