@@ -255,7 +255,7 @@ def test_quotas_and_namespaces_hold_under_any_sequence(ops):
     allocs: list[tuple[int, int, int]] = []
     leases: list[tuple[int, int]] = []
     for op, owner, ks in ops:
-        tenant = "t%d" % (owner % 2)
+        tenant = f"t{owner % 2}"
         keys = [bytes([k]) for k in ks]
         clock.now += 0.5
         if op in ("put", "alloc"):
