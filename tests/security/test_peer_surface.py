@@ -4,7 +4,9 @@ UCX listens on, the flags and token files it starts with."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -175,3 +177,58 @@ def test_metrics_port_out_of_range_is_a_usage_error(capsys):
         kvtier_main(["peer", *BASE, "--metrics-port", "99999"])
     assert exit_info.value.code == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+def _hex(ip: str) -> str:
+    return f"{struct.unpack('<I', socket.inet_aton(ip))[0]:08X}"
+
+
+# a mount namespace too: UCX finds network devices in /sys/class/net, which must be this
+# namespace's sysfs to list the veth pair
+NETNS_SETUP = (
+    "mount -t sysfs none /sys && "
+    "ip link set lo up && ip link add v0 type veth peer name v1 && "
+    "ip addr add 10.99.0.1/24 dev v0 && ip addr add 10.99.0.2/24 dev v1 && "
+    "ip link set v0 up && ip link set v1 up"
+)
+
+
+def _netns_available() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-n", "-m", "sh", "-c", NETNS_SETUP], capture_output=True)
+    return probe.returncode == 0
+
+
+@multiprocess
+@pytest.mark.parametrize("listen", ["10.99.0.1", "0.0.0.0"])
+def test_in_a_network_namespace_ucx_listens_on_the_listen_interface_only(listen):
+    """A namespace of its own with lo and a veth pair (10.99.0.1 on v0, 10.99.0.2 on v1):
+    listening on v0's address, the peer's listeners (its own and UCX's) are all on v0's
+    address; the wildcard is the control (UCX then listens on the other interfaces too)."""
+    if not _netns_available():
+        pytest.skip("cannot create a network namespace with a veth pair here (needs root or user namespaces)")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    env["NIXL_LOG_LEVEL"] = "WARN"
+    peer = f"exec {sys.executable} -m tiers.peer_server --listen {listen}:0 --capacity 1MiB --row-bytes 64KiB"
+    proc = subprocess.Popen(
+        ["unshare", "-n", "-m", "sh", "-c", f"{NETNS_SETUP} && {peer}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and "listening on" in proc.stdout.readline()
+        time.sleep(0.3)
+        found = _listening(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if listen == "10.99.0.1":
+        assert found == {_hex("10.99.0.1")}
+    else:
+        assert found - {"00000000", _hex("10.99.0.1")}  # UCX on lo and v1 as well
