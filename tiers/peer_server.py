@@ -146,7 +146,7 @@ class PeerServer:
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
         self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
         self._handlers: set[asyncio.Task] = set()
-        self.counters = {"connections": 0, "auth_failures": 0, "protocol_errors": 0}
+        self.counters = {"connections": 0, "auth_failures": 0, "protocol_errors": 0, "pushed_out": 0}
 
     async def serve(self, ready: asyncio.Future[tuple[str, int]], stop: asyncio.Event) -> None:
         server = await asyncio.start_server(
@@ -237,7 +237,7 @@ class PeerServer:
 
     def _push_out(self, conn_id: int) -> None:
         source, writer = self._unauthenticated.pop(conn_id)
-        self.counters["auth_failures"] += 1
+        self.counters["pushed_out"] += 1  # its handler counts the failed handshake too
         log.info("closing an unauthenticated connection from %s: too many from there", source)
         writer.transport.abort()
 

@@ -248,6 +248,8 @@ class RawConnection:
                     return True
             except (ConnectionResetError, ValueError):
                 return True
+            except TimeoutError:  # nothing to read yet: still open
+                continue
         return False
 
     def handshake(self, token: bytes | None, tenant: str = proto.DEFAULT_TENANT) -> proto.Welcome | None:
