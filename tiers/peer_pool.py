@@ -25,11 +25,11 @@ once. Pure Python, single-threaded (the peer's event loop), no I/O: testable alo
 (``tiers/peer_auth.py``), and every key lives in that tenant's namespace (the index key is
 ``tenant NUL key``; tenant names hold no NUL), so a tenant's GET, CONTAINS, DELETE and PUT
 never see or touch another tenant's rows, and its STATS count only its own. With
-``quotas`` each tenant holds at most its quota of slots (stored, pending, and retired ones
-it still owns) and makes room only by evicting its **own** rows: as the quotas add up to
-at most the pool, a tenant under its quota always finds a free slot, and flooding by one
-tenant evicts nothing of another's. Without quotas (a peer without a token) the tenants
-share one pool and one eviction order.
+``quotas`` each tenant owns a fixed run of slots, its quota (``slot_range``), holds rows
+(stored, pending, retired) only there, and makes room only by evicting its **own** rows:
+flooding by one tenant evicts nothing of another's, and the peer can register each run
+with NIXL apart and hand a tenant's clients only their run (``tiers/peer_server.py``).
+Without quotas (a peer without a token) the tenants share one pool and one eviction order.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ class FreeSlots:
     """Free slot numbers, lowest first, so one put's rows tend to be adjacent (and NIXL merges
     adjacent descriptors). Freeing a slot that is free is a bookkeeping bug and raises."""
 
-    def __init__(self, num_slots: int) -> None:
-        self._heap = list(range(num_slots))
+    def __init__(self, num_slots: int, start: int = 0) -> None:
+        self.start = start
+        self._heap = list(range(start, start + num_slots))
         self._free = bytearray(b"\x01") * num_slots
 
     def __len__(self) -> int:
@@ -67,13 +68,13 @@ class FreeSlots:
     def take(self, n: int) -> list[int]:
         slots = [heapq.heappop(self._heap) for _ in range(min(n, len(self._heap)))]
         for slot in slots:
-            self._free[slot] = 0
+            self._free[slot - self.start] = 0
         return slots
 
     def give(self, slot: int) -> None:
-        if self._free[slot]:
+        if self._free[slot - self.start]:
             raise RuntimeError(f"slot {slot} freed twice")
-        self._free[slot] = 1
+        self._free[slot - self.start] = 1
         heapq.heappush(self._heap, slot)
 
 
@@ -104,6 +105,9 @@ _COUNTERS = (
     "allocs_expired",
     "leases_expired",
 )
+
+
+_NO_SLOTS = FreeSlots(0)
 
 
 def _prefix(tenant: str) -> bytes:
@@ -140,7 +144,6 @@ class PeerPool:
         self.max_allocs_per_owner = max_allocs_per_owner
         self.max_leases_per_owner = max_leases_per_owner
         self._clock = clock
-        self._free = FreeSlots(num_slots)
         self._index: dict[bytes, tuple[int, bytes]] = {}  # key -> (slot, 40-byte header)
         self._leased = [0] * num_slots  # lease count per slot
         self._retired: set[int] = set()  # dropped from the index while leased
@@ -152,6 +155,18 @@ class PeerPool:
         if quotas is not None and sum(quotas.values()) > num_slots:
             raise ValueError(f"tenant quotas add up to {sum(quotas.values())} slots of {num_slots}")
         self.quotas = dict(quotas) if quotas is not None else None
+        # Under quotas each tenant owns a fixed run of slots (tenants in name order), so the
+        # peer can register each run with NIXL apart and show a tenant only its own run.
+        self.ranges: dict[str, tuple[int, int]] = {"": (0, num_slots)}  # tenant -> (first, count)
+        if self.quotas is not None:
+            self.ranges, first = {}, 0
+            for name in sorted(self.quotas):
+                self.ranges[name] = (first, self.quotas[name])
+                first += self.quotas[name]
+        self._free = {name: FreeSlots(count, first) for name, (first, count) in self.ranges.items()}
+        self._run_of = [""] * num_slots  # the run (its tenant, or "" without quotas) of each slot
+        for name, (first, count) in self.ranges.items():
+            self._run_of[first : first + count] = [name] * count
         self._slot_tenant: list[str] = [""] * num_slots  # who holds each slot that is not free
         self._used: dict[str, int] = {}  # slots held per tenant (pending, stored, retired)
         self._rows: dict[str, int] = {}  # stored rows per tenant
@@ -182,14 +197,9 @@ class PeerPool:
                 self._count(tenant, "rows_existing")
             elif 0 < length <= self.slot_bytes:
                 wanted.append(i)
-        if self.quotas is None:
-            self._make_room(len(wanted), None)
-            room = len(wanted)
-        else:
-            quota = self.quotas.get(tenant, 0)
-            self._make_room(len(wanted) - (quota - self._used.get(tenant, 0)), prefix)
-            room = max(0, min(len(wanted), quota - self._used.get(tenant, 0)))
-        slots = self._free.take(room)
+        free = self._free_of(tenant)
+        self._make_room(len(wanted) - len(free), None if self.quotas is None else prefix)
+        slots = free.take(len(wanted))
         for slot in slots:
             self._slot_tenant[slot] = tenant
         self._used[tenant] = self._used.get(tenant, 0) + len(slots)
@@ -350,7 +360,7 @@ class PeerPool:
             "slots": self.num_slots,
             "slot_bytes": self.slot_bytes,
             "rows": len(self._index),
-            "free_slots": len(self._free),
+            "free_slots": self._free_count(),
             "pending_slots": pending,
             "retired_slots": len(self._retired),
             "leases": len(self._leases),
@@ -358,13 +368,17 @@ class PeerPool:
         }
 
     def check(self) -> None:
-        """Every slot is in exactly one state (free, pending, stored, retired): for tests."""
+        """Every slot of a run is in exactly one state (free, pending, stored, retired), and
+        every row lies in its tenant's run: for tests."""
         stored = [slot for slot, _ in self._index.values()]
         pending = [slot for a in self._allocs.values() for slot in a.slots]
-        free = list(self._free._heap)
+        free = [slot for run in self._free.values() for slot in run._heap]
         everything = stored + pending + free + list(self._retired)
-        if sorted(everything) != list(range(self.num_slots)):
+        in_runs = sorted(s for first, count in self.ranges.values() for s in range(first, first + count))
+        if sorted(everything) != in_runs:
             raise AssertionError("a slot is lost or in two states")
+        if self.quotas is not None and any(self._run_of[s] != self._slot_tenant[s] for s in stored + pending):
+            raise AssertionError("a row outside its tenant's run")
         if any(self._leased[slot] == 0 for slot in self._retired):
             raise AssertionError("a retired slot without a lease")
         if any(self._leased[slot] for slot in free + pending):
@@ -409,9 +423,8 @@ class PeerPool:
 
     def _make_room(self, short: int, own: bytes | None) -> None:
         """Evict to free ``short`` more slots: any rows (``own is None``, one shared pool) or
-        only rows whose index key starts with ``own`` (the tenant's own, under quotas)."""
+        only rows whose index key starts with ``own`` (the tenant's own run, under quotas)."""
         if own is None:
-            short -= len(self._free)
             evictable = self._evictable
         else:
 
@@ -439,8 +452,18 @@ class PeerPool:
         else:
             self._give(slot)
 
+    def slot_range(self, tenant: str) -> tuple[int, int]:
+        """``(first slot, count)`` a tenant's rows may occupy (the whole pool without quotas)."""
+        return self.ranges.get(tenant if self.quotas is not None else "", (0, 0))
+
+    def _free_of(self, tenant: str) -> FreeSlots:
+        return self._free.get(tenant if self.quotas is not None else "", _NO_SLOTS)
+
+    def _free_count(self) -> int:
+        return sum(len(run) for run in self._free.values())
+
     def _give(self, slot: int) -> None:
-        self._free.give(slot)
+        self._free[self._run_of[slot]].give(slot)
         self._used[self._slot_tenant[slot]] -= 1
 
     def _free_slots(self, slots: Sequence[int]) -> None:

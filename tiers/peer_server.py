@@ -92,27 +92,61 @@ class PeerSettings:
     max_unauthenticated: int = MAX_UNAUTHENTICATED
 
 
+@dataclass(frozen=True)
+class Region:
+    """One run of slots and its probe, as its tenant's clients see it."""
+
+    first_slot: int  # the pool's slot number of this run's slot 0 (wire slots are relative)
+    num_slots: int
+    pool_addr: int
+    probe_addr: int
+    metadata: bytes  # NIXL metadata describing this region only
+
+
 class ServedMemory:
-    """The slots and a probe area in one buffer registered with NIXL for the process lifetime.
+    """The slots in one buffer, one NIXL registration per run of slots (per tenant under
+    quotas, else one), registered for the process lifetime.
+
+    Each run is followed by a probe area holding the instance id and starts 2 MiB aligned.
+    A tenant's clients get metadata of their own run only (``get_partial_agent_metadata``):
+    NIXL refuses to initiate a transfer outside it, and an RDMA NIC refuses one that a client
+    forged (on UCX TCP and CMA nothing does: ``docs/threat-model.md``).
 
     A numpy allocation (numpy asks for transparent huge pages), every page faulted in at
-    start rather than during a client's first transfer, slot 0 aligned to 2 MiB. Alignment
-    is a measured matter: a CMA copy between buffers whose addresses differ mod 64 runs at
-    about half speed, and host tiers are torch allocations (aligned), so slots are too.
+    start rather than during a client's first transfer. Alignment is a measured matter: a
+    CMA copy between buffers whose addresses differ mod 64 runs at about half speed, and
+    host tiers are torch allocations (aligned), so slots are too.
     """
 
-    def __init__(self, num_slots: int, slot_bytes: int, instance_id: bytes, agent_name: str) -> None:
-        pool_bytes = num_slots * slot_bytes
-        self.buffer = np.zeros(pool_bytes + PROBE_BYTES + HUGE_PAGE, dtype=np.uint8)
+    def __init__(
+        self, runs: dict[str, tuple[int, int]], slot_bytes: int, instance_id: bytes, agent_name: str
+    ) -> None:
+        def stride(count: int) -> int:
+            return -(-(count * slot_bytes + PROBE_BYTES) // HUGE_PAGE) * HUGE_PAGE
+
+        runs = {name: run for name, run in runs.items() if run[1] > 0}
+        self.buffer = np.zeros(sum(stride(count) for _, count in runs.values()) + HUGE_PAGE, dtype=np.uint8)
         self.buffer[::PAGE] = 0  # fault every page in now
-        start = -self.buffer.ctypes.data % HUGE_PAGE
-        self.pool_addr = self.buffer.ctypes.data + start
-        self.probe_addr = self.pool_addr + pool_bytes
-        probe = start + pool_bytes
-        self.buffer[probe : probe + len(instance_id)] = np.frombuffer(instance_id, dtype=np.uint8)
         self.agent = create_agent(agent_name)
-        self.agent.register_memory([(self.buffer.ctypes.data, self.buffer.nbytes, 0, "")], "DRAM")
-        self.metadata = self.agent.get_agent_metadata()
+        offset = -self.buffer.ctypes.data % HUGE_PAGE
+        registrations = {}
+        placed = {}
+        for name, (first, count) in runs.items():
+            probe = offset + count * slot_bytes
+            self.buffer[probe : probe + len(instance_id)] = np.frombuffer(instance_id, dtype=np.uint8)
+            addr = self.buffer.ctypes.data + offset
+            registrations[name] = self.agent.register_memory(
+                [(addr, count * slot_bytes + PROBE_BYTES, 0, "")], "DRAM"
+            )
+            placed[name] = (first, count, addr, addr + count * slot_bytes)
+            offset += stride(count)
+        self.regions: dict[str, Region] = {}
+        for name, (first, count, addr, probe_addr) in placed.items():
+            if len(runs) == 1:
+                metadata = self.agent.get_agent_metadata()
+            else:
+                metadata = self.agent.get_partial_agent_metadata(registrations[name], True, ["UCX"])
+            self.regions[name] = Region(first, count, addr, probe_addr, metadata)
 
     def progress(self) -> None:
         """Let the agent answer transport wire-up from new clients (no progress thread)."""
@@ -140,7 +174,7 @@ class PeerServer:
             quotas=settings.credentials.quotas(num_slots),
         )
         self.memory = ServedMemory(
-            num_slots, settings.row_bytes, self.instance_id, f"kvtier-peer-{self.instance_id.hex()}"
+            self.pool.ranges, settings.row_bytes, self.instance_id, f"kvtier-peer-{self.instance_id.hex()}"
         )
         self._conn_ids = itertools.count(1)
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
@@ -197,13 +231,17 @@ class PeerServer:
             self._unauthenticated.pop(conn_id, None)
             if session is None:
                 return
+            region = self.memory.regions.get(tenant if self.pool.quotas is not None else "")
+            if region is None:
+                log.warning("refusing %s: tenant %r has no slots", peername, tenant)
+                return
             if len(self._connections) >= self.settings.max_connections:
                 log.warning("refusing %s: %d connections already", peername, len(self._connections))
                 return
             self._connections[conn_id] = writer
             self.counters["connections"] += 1
-            await self._welcome(writer, session)
-            await self._requests(conn_id, tenant, session, reader, writer)
+            await self._welcome(writer, session, region)
+            await self._requests(conn_id, tenant, region.first_slot, session, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client left
         except proto.ProtocolError as exc:
@@ -271,15 +309,16 @@ class PeerServer:
             return tenant, None
         return tenant, proto.Session(granted, transcript, is_client=False)
 
-    async def _welcome(self, writer: asyncio.StreamWriter, session: proto.Session) -> None:
+    async def _welcome(self, writer: asyncio.StreamWriter, session: proto.Session, region: Region) -> None:
+        """The tenant's own run of slots: its address, size and the metadata of it alone."""
         welcome = proto.Welcome(
             instance_id=self.instance_id,
             slot_bytes=self.pool.slot_bytes,
-            num_slots=self.pool.num_slots,
-            pool_addr=self.memory.pool_addr,
-            probe_addr=self.memory.probe_addr,
+            num_slots=region.num_slots,
+            pool_addr=region.pool_addr,
+            probe_addr=region.probe_addr,
             probe_len=proto.INSTANCE_ID_BYTES,
-            agent_metadata=self.memory.metadata,
+            agent_metadata=region.metadata,
         )
         writer.write(session.seal(proto.Msg.WELCOME, 0, proto.encode_welcome(welcome)))
         await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
@@ -288,26 +327,31 @@ class PeerServer:
         self,
         conn_id: int,
         tenant: str,
+        first_slot: int,
         session: proto.Session,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
         while True:
             frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
-            reply = self._dispatch(conn_id, tenant, frame)
+            reply = self._dispatch(conn_id, tenant, first_slot, frame)
             if reply is not None:
                 writer.write(session.seal(*reply))
                 await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
 
-    def _dispatch(self, conn: int, tenant: str, frame: proto.Frame) -> tuple[proto.Msg, int, bytes] | None:
+    def _dispatch(
+        self, conn: int, tenant: str, first: int, frame: proto.Frame
+    ) -> tuple[proto.Msg, int, bytes] | None:
         """The reply to one request, unsealed (``None`` for the verbs that have none). Every
-        verb acts in ``tenant``'s namespace only."""
+        verb acts in ``tenant``'s namespace only; slots on the wire count from ``first``, the
+        tenant's run."""
         msg, rid, payload = proto.Msg, frame.request_id, frame.payload
         pool = self.pool
         try:
             if frame.type == msg.PUT_ALLOC:
                 alloc_id, slots = pool.allocate(conn, *proto.decode_put_alloc(payload), tenant=tenant)
-                return msg.ALLOCATED, rid, proto.encode_allocated(alloc_id, slots)
+                wire = [s - first if s < proto.EXISTS else s for s in slots]
+                return msg.ALLOCATED, rid, proto.encode_allocated(alloc_id, wire)
             if frame.type == msg.PUT_COMMIT:
                 alloc_id, headers = proto.decode_commit(payload)
                 stored = pool.commit(conn, alloc_id, headers)
@@ -317,7 +361,8 @@ class PeerServer:
                 return None
             if frame.type == msg.GET:
                 lease_id, entries = pool.lookup(conn, proto.decode_keys(payload), tenant)
-                return msg.LEASED, rid, proto.encode_leased(lease_id, entries)
+                wire_entries = [(e[0] - first, e[1]) if e is not None else None for e in entries]
+                return msg.LEASED, rid, proto.encode_leased(lease_id, wire_entries)
             if frame.type == msg.RELEASE:
                 pool.release(conn, proto.decode_id(payload))
                 return None
