@@ -147,6 +147,49 @@ async def test_flooding_one_tenant_does_not_evict_another(spawn, tenants):
         assert sum(kept) < 8  # the harm the quotas prevent
 
 
+@multiprocess
+def test_a_tenant_is_shown_only_its_own_run_of_the_pool(spawn):
+    """Each tenant's WELCOME announces, and its NIXL metadata registers, only that tenant's
+    run of slots: an unmodified NIXL agent holding the attacker's metadata refuses to READ
+    the victim's run (and an RDMA NIC would refuse a forged request; UCX TCP/CMA would not)."""
+    from nixl_cu12._bindings import nixlNotFoundError
+
+    from tiers.nixl_agent import create_agent
+    from tiers.nixl_metadata import parse_agent_metadata
+
+    (peer,) = spawn(tenants=TENANTS)
+    welcomes = {}
+    for tenant, token in TENANTS.items():
+        raw = RawConnection(peer.port)
+        try:
+            welcomes[tenant] = raw.handshake(token, tenant=tenant)
+        finally:
+            raw.close()
+    victim, attacker = welcomes["victim"], welcomes["attacker"]
+    assert victim is not None and attacker is not None
+    for welcome in (victim, attacker):
+        ((addr, length, _),) = parse_agent_metadata(welcome.agent_metadata).regions
+        assert addr == welcome.pool_addr and addr + length >= welcome.probe_addr + welcome.probe_len
+        assert length < welcome.num_slots * welcome.slot_bytes + 4096  # this run and its probe only
+    victim_run = range(victim.pool_addr, victim.probe_addr + victim.probe_len)
+    assert attacker.pool_addr not in victim_run and victim.pool_addr not in range(
+        attacker.pool_addr, attacker.probe_addr + attacker.probe_len
+    )
+    agent = create_agent(f"attacker-{os.urandom(4).hex()}")
+    scratch = np.zeros(ROW, dtype=np.uint8)
+    agent.register_memory([(scratch.ctypes.data, ROW, 0, "")], "DRAM")
+    name = agent.add_remote_agent(attacker.agent_metadata)
+    local = agent.get_xfer_descs([(scratch.ctypes.data, ROW, 0)], "DRAM")
+    own = agent.get_xfer_descs([(attacker.pool_addr, ROW, 0)], "DRAM")
+    agent.release_xfer_handle(agent.initialize_xfer("READ", local, own, name))  # the control
+    for addr in (victim.pool_addr, victim.probe_addr):
+        foreign = agent.get_xfer_descs([(addr, 16, 0)], "DRAM")
+        with pytest.raises(nixlNotFoundError):
+            agent.initialize_xfer(
+                "READ", agent.get_xfer_descs([(scratch.ctypes.data, 16, 0)], "DRAM"), foreign, name
+            )
+
+
 # -- the channel: a relay without the token ----------------------------------------------
 
 
