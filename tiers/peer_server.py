@@ -6,10 +6,11 @@
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
-The pool is one buffer, pre-faulted, registered with NIXL once and kept
-registered for the life of the process (deregistering would not revoke a client's access
-anyway; what a client may touch is guarded by protocol, in ``tiers/peer_pool.py``). It is
-cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
+The pool is one buffer, pre-faulted, registered with NIXL once per run of slots (one run
+per tenant of the token file, else one) and kept registered for the life of the process
+(deregistering would not revoke a client's access anyway; what a client may touch is
+guarded by protocol, in ``tiers/peer_pool.py``, and by the transport: ``ServedMemory``).
+It is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
 share the slots, a smaller row uses the head of its slot). Fixed slots keep a slot's
 address a multiplication and make eviction a one-for-one swap; vLLM pads every group's page
 to one size anyway, so little is wasted.
