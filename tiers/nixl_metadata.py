@@ -23,9 +23,9 @@ MAX_BACKENDS = 8
 MAX_SECTIONS = 8
 MAX_DESCRIPTORS = 1024
 MAX_BLOB_BYTES = 16 << 10
-REGION_SLACK = (2 << 20) + 4096
-"""How much larger than pool + probe a peer's registered buffer may be: it aligns slot 0 to
-2 MiB inside it and keeps a few bytes of probe area (``tiers/peer_server.py``)."""
+REGION_SLACK = 4096
+"""How much larger than pool + probe a peer's registered region may be: it registers each
+run of slots with a probe area of a few bytes after it (``tiers/peer_server.py``)."""
 _DRAM_SEG = bytes(4)  # NIXL's memory type of host memory: a peer serves nothing else
 _U64 = struct.Struct("<Q")
 _DESC = struct.Struct("<QQQ")  # address, length, device id; NIXL's own meta info follows
@@ -121,7 +121,7 @@ def check_peer_metadata(
 ) -> AgentMetadata:
     """``parse_agent_metadata``, plus: the agent is ``agent_name``, speaks UCX and registers
     one host region (device 0) covering ``[start, end)`` (the pool and probe its WELCOME
-    announced) and at most ``slack`` bytes more (a peer aligns its pool inside its buffer)."""
+    announced) and at most ``slack`` bytes more (the rest of the probe area)."""
     md = parse_agent_metadata(data)
     if md.name != agent_name:
         raise MetadataError(f"metadata of agent {md.name!r}, the peer announced {agent_name!r}")

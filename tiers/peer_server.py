@@ -108,7 +108,8 @@ class ServedMemory:
     """The slots in one buffer, one NIXL registration per run of slots (per tenant under
     quotas, else one), registered for the process lifetime.
 
-    Each run is followed by a probe area holding the instance id and starts 2 MiB aligned.
+    Each run is followed by a probe area holding the instance id; the first starts 2 MiB
+    aligned, the others page aligned.
     A tenant's clients get metadata of their own run only (``get_partial_agent_metadata``):
     NIXL refuses to initiate a transfer outside it, and an RDMA NIC refuses one that a client
     forged (on UCX TCP and CMA nothing does: ``docs/threat-model.md``).
@@ -122,8 +123,8 @@ class ServedMemory:
     def __init__(
         self, runs: dict[str, tuple[int, int]], slot_bytes: int, instance_id: bytes, agent_name: str
     ) -> None:
-        def stride(count: int) -> int:
-            return -(-(count * slot_bytes + PROBE_BYTES) // HUGE_PAGE) * HUGE_PAGE
+        def stride(count: int) -> int:  # page-aligned runs: a tenant costs at most a page more
+            return -(-(count * slot_bytes + PROBE_BYTES) // PAGE) * PAGE
 
         runs = {name: run for name, run in runs.items() if run[1] > 0}
         self.buffer = np.zeros(sum(stride(count) for _, count in runs.values()) + HUGE_PAGE, dtype=np.uint8)
