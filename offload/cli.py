@@ -36,6 +36,14 @@ def _run(module_name: str, argv: list[str]) -> int:
     return int(module.main(argv) or 0)
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (the kernel picks one) to 65535: checked before the peer starts, so a bad
+    one is a usage error (exit 2), not a peer that says it listens and then dies."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535)")
+    return int(text)
+
+
 def _peer(argv: list[str]) -> int:
     """``kvtier peer``: the server of ``tiers.peer_server``, plus ``--metrics-port PORT``.
 
@@ -44,8 +52,8 @@ def _peer(argv: list[str]) -> int:
     from offload.metrics import flat_families, render, serve
     from tiers import peer_server
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--metrics-port", type=int, default=None)
+    parser = argparse.ArgumentParser(prog="kvtier peer", add_help=False)
+    parser.add_argument("--metrics-port", type=_port, default=None)
     parser.add_argument("--metrics-host", default="127.0.0.1")
     args, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:

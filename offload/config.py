@@ -45,6 +45,7 @@ from typing import Any
 from policies import make_policy
 from policies.placement import ADMISSIONS
 from tiers import sizes
+from tiers.peer_protocol import valid_tenant
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,9 @@ class TierConfig:
     path: str | None = None  # disk
     peers: tuple[str, ...] = ()  # remote
     token_file: str | None = None  # remote
+    # remote: the tenant this engine claims at the peers; its token must grant it there
+    # (a peer's single-token file grants only "default")
+    peer_tenant: str = "default"
     checksum_thread: bool = True  # remote: hash each part beside the copies (False: after each copy)
     deadline_s: float = 2.0  # remote, mooncake
     # remote, mooncake: how long a vLLM request may wait (deferred, as vLLM's RETRY) for this
@@ -127,6 +131,7 @@ _KIND_KEYS = {
     "remote": {
         "peers",
         "token_file",
+        "peer_tenant",
         "deadline_s",
         "lookup_wait_s",
         "checksum_thread",
@@ -244,6 +249,12 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
         token_file = raw.get("token_file")
         if token_file is not None and not isinstance(token_file, str):
             raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
+        peer_tenant = raw.get("peer_tenant", "default")
+        if not isinstance(peer_tenant, str) or not valid_tenant(peer_tenant):
+            raise ConfigError(
+                f"{where}.peer_tenant = {peer_tenant!r}: expected 1..64 of A-Z a-z 0-9 . _ -, "
+                "starting with a letter or digit"
+            )
         checksum_thread = raw.get("checksum_thread", True)
         if not isinstance(checksum_thread, bool):
             raise ConfigError(f"{where}.checksum_thread = {checksum_thread!r}: expected true or false")
@@ -252,6 +263,7 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
             peers=tuple(peers),
             deadline_s=float(deadline),
             token_file=token_file,
+            peer_tenant=peer_tenant,
             checksum_thread=checksum_thread,
         )
     if kind == "mooncake":

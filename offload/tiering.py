@@ -81,6 +81,7 @@ def build_tier(
             namespace,
             layout_id,
             token=_read_token(tier.token_file),
+            tenant=tier.peer_tenant,
             deadline_s=tier.deadline_s,
             readable_layouts=readable_layouts,
             checksum_thread=tier.checksum_thread,

@@ -13,6 +13,11 @@ Failures come in two kinds, so the caller can tell a sick peer from a refused re
 
 When the connection breaks while idle (the peer was killed: EOF), ``on_lost`` is called
 once, so the peer is marked down before any call has to fail on it.
+
+Every frame after AUTH is sealed and verified (``peer_protocol.Session``). A reply whose
+tag fails (a relay injected, replayed or rewrote it) breaks the connection like any
+protocol error: every call in flight fails with ``PeerUnavailable`` (its rows are misses),
+and nothing from that frame is used.
 """
 
 from __future__ import annotations
@@ -58,10 +63,12 @@ class PeerClient:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         welcome: proto.Welcome,
+        session: proto.Session,
         on_lost: Callable[[PeerClient, str], None] | None,
     ) -> None:
         self.address = address
         self.welcome = welcome
+        self._session = session
         self._reader = reader
         self._writer = writer
         self._on_lost = on_lost
@@ -78,8 +85,9 @@ class PeerClient:
         token: bytes | None,
         deadline: float,
         on_lost: Callable[[PeerClient, str], None] | None = None,
+        tenant: str = proto.DEFAULT_TENANT,
     ) -> PeerClient:
-        """Connect and authenticate (both ways) by ``deadline`` (``time.monotonic()``)."""
+        """Connect and authenticate (both ways) as ``tenant`` by ``deadline`` (``time.monotonic()``)."""
         address = f"{host}:{port}"
         key = token or b""
         try:
@@ -94,19 +102,23 @@ class PeerClient:
                 frame = await proto.read_frame(reader, proto.MAX_HANDSHAKE_FRAME)
                 if frame.type != proto.Msg.CHALLENGE:
                     raise proto.ProtocolError(f"expected CHALLENGE, got {frame.type.name}")
-                server_nonce = proto.decode_challenge(frame.payload)
-                client_nonce = os.urandom(proto.NONCE_BYTES)
-                mac = proto.client_mac(key, server_nonce, client_nonce)
-                writer.write(proto.encode_frame(proto.Msg.AUTH, 0, proto.encode_auth(client_nonce, mac)))
+                proto.decode_challenge(frame.payload)
+                auth = proto.encode_auth_body(os.urandom(proto.NONCE_BYTES), tenant)
+                transcript = frame.payload + auth
+                writer.write(proto.encode_frame(proto.Msg.AUTH, 0, auth + proto.client_mac(key, transcript)))
+                session = proto.Session(key, transcript, is_client=True)
                 try:
-                    frame = await proto.read_frame(reader, proto.MAX_FRAME)
+                    frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
                 except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                    raise PeerUnavailable(f"{address}: closed during the handshake (wrong token?)") from exc
+                    raise PeerUnavailable(
+                        f"{address}: closed during the handshake "
+                        f"(wrong token, or tenant {tenant!r} not granted?)"
+                    ) from exc
+                except proto.AuthenticationError as exc:
+                    raise PeerUnavailable(f"{address}: the WELCOME does not verify: {exc}") from exc
                 if frame.type != proto.Msg.WELCOME:
                     raise proto.ProtocolError(f"expected WELCOME, got {frame.type.name}")
                 welcome = proto.decode_welcome(frame.payload)
-                if not proto.macs_equal(proto.server_mac(key, server_nonce, client_nonce), welcome.mac):
-                    raise PeerUnavailable(f"{address}: the peer does not know the token")
         except BaseException as exc:
             writer.close()
             if isinstance(exc, TimeoutError):
@@ -114,7 +126,7 @@ class PeerClient:
             if isinstance(exc, proto.ProtocolError | asyncio.IncompleteReadError | ConnectionError):
                 raise PeerUnavailable(f"{address}: handshake failed: {exc}") from exc
             raise
-        return cls(address, reader, writer, welcome, on_lost)
+        return cls(address, reader, writer, welcome, session, on_lost)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -187,7 +199,7 @@ class PeerClient:
         self._pending[request_id] = future
         try:
             async with asyncio.timeout(_remaining(deadline)):
-                self._writer.write(proto.encode_frame(msg, request_id, payload))
+                self._writer.write(self._session.seal(msg, request_id, payload))
                 await self._writer.drain()
                 frame = await future
         except TimeoutError as exc:
@@ -208,7 +220,7 @@ class PeerClient:
         """A message without a reply; lost silently if the connection is gone (the peer's
         expiry and its cleanup of a closed connection give the resources back anyway)."""
         if not self.closed:
-            self._writer.write(proto.encode_frame(msg, 0, payload))
+            self._writer.write(self._session.seal(msg, 0, payload))
 
     def _decode(self, decoder, payload: bytes):
         try:
@@ -224,7 +236,7 @@ class PeerClient:
         reason = "connection closed by the peer"
         try:
             while True:
-                frame = await proto.read_frame(self._reader, proto.MAX_FRAME)
+                frame = await proto.read_frame(self._reader, proto.MAX_FRAME, self._session)
                 future = self._pending.get(frame.request_id)
                 if future is not None and not future.done():
                     future.set_result(frame)

@@ -20,6 +20,16 @@ it. That promise is this module:
 
 Owners are connection ids: closing a connection gives back its allocations and leases at
 once. Pure Python, single-threaded (the peer's event loop), no I/O: testable alone.
+
+**Tenants.** Every verb takes the tenant its connection authenticated as
+(``tiers/peer_auth.py``), and every key lives in that tenant's namespace (the index key is
+``tenant NUL key``; tenant names hold no NUL), so a tenant's GET, CONTAINS, DELETE and PUT
+never see or touch another tenant's rows, and its STATS count only its own. With
+``quotas`` each tenant owns a fixed run of slots, its quota (``slot_range``), holds rows
+(stored, pending, retired) only there, and makes room only by evicting its **own** rows:
+flooding by one tenant evicts nothing of another's, and the peer can register each run
+with NIXL apart and hand a tenant's clients only their run (``tiers/peer_server.py``).
+Without quotas (a peer without a token) the tenants share one pool and one eviction order.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.base import EvictionPolicy
@@ -47,8 +57,9 @@ class FreeSlots:
     """Free slot numbers, lowest first, so one put's rows tend to be adjacent (and NIXL merges
     adjacent descriptors). Freeing a slot that is free is a bookkeeping bug and raises."""
 
-    def __init__(self, num_slots: int) -> None:
-        self._heap = list(range(num_slots))
+    def __init__(self, num_slots: int, start: int = 0) -> None:
+        self.start = start
+        self._heap = list(range(start, start + num_slots))
         self._free = bytearray(b"\x01") * num_slots
 
     def __len__(self) -> int:
@@ -57,13 +68,13 @@ class FreeSlots:
     def take(self, n: int) -> list[int]:
         slots = [heapq.heappop(self._heap) for _ in range(min(n, len(self._heap)))]
         for slot in slots:
-            self._free[slot] = 0
+            self._free[slot - self.start] = 0
         return slots
 
     def give(self, slot: int) -> None:
-        if self._free[slot]:
+        if self._free[slot - self.start]:
             raise RuntimeError(f"slot {slot} freed twice")
-        self._free[slot] = 1
+        self._free[slot - self.start] = 1
         heapq.heappush(self._heap, slot)
 
 
@@ -83,6 +94,30 @@ class _Lease:
     expires: float
 
 
+_COUNTERS = (
+    "rows_put",
+    "rows_existing",
+    "rows_refused",
+    "rows_hit",
+    "rows_missed",
+    "rows_deleted",
+    "evictions",
+    "allocs_expired",
+    "leases_expired",
+)
+
+
+_NO_SLOTS = FreeSlots(0)
+
+
+def _prefix(tenant: str) -> bytes:
+    return tenant.encode() + b"\x00"
+
+
+def _tenant_of(index_key: bytes) -> str:
+    return index_key[: index_key.index(0)].decode()
+
+
 class PeerPool:
     """Slots, index, allocations and leases of one peer; see the module docstring."""
 
@@ -96,6 +131,7 @@ class PeerPool:
         lease_ttl_s: float = 10.0,
         max_allocs_per_owner: int = 256,
         max_leases_per_owner: int = 1024,
+        quotas: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_slots <= 0 or slot_bytes <= 0:
@@ -108,7 +144,6 @@ class PeerPool:
         self.max_allocs_per_owner = max_allocs_per_owner
         self.max_leases_per_owner = max_leases_per_owner
         self._clock = clock
-        self._free = FreeSlots(num_slots)
         self._index: dict[bytes, tuple[int, bytes]] = {}  # key -> (slot, 40-byte header)
         self._leased = [0] * num_slots  # lease count per slot
         self._retired: set[int] = set()  # dropped from the index while leased
@@ -117,44 +152,58 @@ class PeerPool:
         self._owner_allocs: dict[int, set[int]] = {}
         self._owner_leases: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
-        self.counters = dict.fromkeys(
-            (
-                "rows_put",
-                "rows_existing",
-                "rows_refused",
-                "rows_hit",
-                "rows_missed",
-                "rows_deleted",
-                "evictions",
-                "allocs_expired",
-                "leases_expired",
-            ),
-            0,
-        )
+        if quotas is not None and sum(quotas.values()) > num_slots:
+            raise ValueError(f"tenant quotas add up to {sum(quotas.values())} slots of {num_slots}")
+        self.quotas = dict(quotas) if quotas is not None else None
+        # Under quotas each tenant owns a fixed run of slots (tenants in name order), so the
+        # peer can register each run with NIXL apart and show a tenant only its own run.
+        self.ranges: dict[str, tuple[int, int]] = {"": (0, num_slots)}  # tenant -> (first, count)
+        if self.quotas is not None:
+            self.ranges, first = {}, 0
+            for name in sorted(self.quotas):
+                self.ranges[name] = (first, self.quotas[name])
+                first += self.quotas[name]
+        self._free = {name: FreeSlots(count, first) for name, (first, count) in self.ranges.items()}
+        self._run_of = [""] * num_slots  # the run (its tenant, or "" without quotas) of each slot
+        for name, (first, count) in self.ranges.items():
+            self._run_of[first : first + count] = [name] * count
+        self._slot_tenant: list[str] = [""] * num_slots  # who holds each slot that is not free
+        self._used: dict[str, int] = {}  # slots held per tenant (pending, stored, retired)
+        self._rows: dict[str, int] = {}  # stored rows per tenant
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._tenant_counters: dict[str, dict[str, int]] = {}
 
     # -- put ------------------------------------------------------------------------------
 
-    def allocate(self, owner: int, keys: Sequence[bytes], lengths: Sequence[int]) -> tuple[int, list[int]]:
+    def allocate(
+        self, owner: int, keys: Sequence[bytes], lengths: Sequence[int], tenant: str = ""
+    ) -> tuple[int, list[int]]:
         """Slots for the keys not stored yet: ``(allocation id or 0, per key slot/EXISTS/NO_SLOT)``.
 
         A key already stored answers ``EXISTS`` (keys name their content, so there is nothing
         to write); a row longer than a slot, or one the pool cannot make room for (every
-        resident row is leased), answers ``NO_SLOT``.
+        resident row it may evict is leased, or the tenant's quota is held by pending and
+        leased rows), answers ``NO_SLOT``.
         """
         if len(self._owner_allocs.get(owner, ())) >= self.max_allocs_per_owner:
             raise PoolLimitError(f"{self.max_allocs_per_owner} uncommitted allocations")
+        prefix = _prefix(tenant)
         statuses = [NO_SLOT] * len(keys)
         wanted = []
         for i, (key, length) in enumerate(zip(keys, lengths, strict=True)):
-            if key in self._index:
+            if prefix + key in self._index:
                 statuses[i] = EXISTS
-                self.policy.on_access(key)
-                self.counters["rows_existing"] += 1
+                self.policy.on_access(prefix + key)
+                self._count(tenant, "rows_existing")
             elif 0 < length <= self.slot_bytes:
                 wanted.append(i)
-        self._make_room(len(wanted))
-        slots = self._free.take(len(wanted))
-        self.counters["rows_refused"] += len(keys) - len(slots) - statuses.count(EXISTS)
+        free = self._free_of(tenant)
+        self._make_room(len(wanted) - len(free), None if self.quotas is None else prefix)
+        slots = free.take(len(wanted))
+        for slot in slots:
+            self._slot_tenant[slot] = tenant
+        self._used[tenant] = self._used.get(tenant, 0) + len(slots)
+        self._count(tenant, "rows_refused", len(keys) - len(slots) - statuses.count(EXISTS))
         if not slots:
             return 0, statuses
         chosen = wanted[: len(slots)]
@@ -163,7 +212,7 @@ class PeerPool:
         alloc_id = next(self._ids)
         self._allocs[alloc_id] = _Allocation(
             owner,
-            [keys[i] for i in chosen],
+            [prefix + keys[i] for i in chosen],
             slots,
             [lengths[i] for i in chosen],
             self._clock() + self.alloc_ttl_s,
@@ -186,16 +235,18 @@ class PeerPool:
         for key, slot, length, header in zip(alloc.keys, alloc.slots, alloc.lengths, headers, strict=True):
             parsed = RowHeader.unpack(header)
             if parsed is None or parsed.row_length != length:
-                self._free.give(slot)
+                self._give(slot)
                 stored.append(False)
             elif key in self._index:
-                self._free.give(slot)
+                self._give(slot)
                 self.policy.on_access(key)
                 stored.append(True)
             else:
                 self._index[key] = (slot, bytes(header))
                 self.policy.on_insert(key)
-                self.counters["rows_put"] += 1
+                tenant = self._slot_tenant[slot]
+                self._rows[tenant] = self._rows.get(tenant, 0) + 1
+                self._count(tenant, "rows_put")
                 stored.append(True)
         return stored
 
@@ -209,20 +260,23 @@ class PeerPool:
 
     # -- get ------------------------------------------------------------------------------
 
-    def lookup(self, owner: int, keys: Sequence[bytes]) -> tuple[int, list[tuple[int, bytes] | None]]:
+    def lookup(
+        self, owner: int, keys: Sequence[bytes], tenant: str = ""
+    ) -> tuple[int, list[tuple[int, bytes] | None]]:
         """Per key ``(slot, header)`` or ``None``, and the id of a lease on the hit slots (0: none)."""
         if len(self._owner_leases.get(owner, ())) >= self.max_leases_per_owner:
             raise PoolLimitError(f"{self.max_leases_per_owner} unreleased leases")
+        prefix = _prefix(tenant)
         entries: list[tuple[int, bytes] | None] = []
         slots = []
         for key in keys:
-            entry = self._index.get(key)
+            entry = self._index.get(prefix + key)
             entries.append(entry)
             if entry is None:
-                self.counters["rows_missed"] += 1
+                self._count(tenant, "rows_missed")
                 continue
-            self.counters["rows_hit"] += 1
-            self.policy.on_access(key)
+            self._count(tenant, "rows_hit")
+            self.policy.on_access(prefix + key)
             slots.append(entry[0])
             self._leased[entry[0]] += 1
         if not slots:
@@ -240,19 +294,22 @@ class PeerPool:
 
     # -- other verbs ----------------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return [key in self._index for key in keys]
+    def contains(self, keys: Sequence[bytes], tenant: str = "") -> list[bool]:
+        prefix = _prefix(tenant)
+        return [prefix + key in self._index for key in keys]
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        prefix = _prefix(tenant)
         deleted = 0
         for key in keys:
-            entry = self._index.pop(key, None)
+            entry = self._index.pop(prefix + key, None)
             if entry is None:
                 continue
-            self.policy.on_remove(key)
+            self.policy.on_remove(prefix + key)
+            self._rows[tenant] -= 1
             self._drop_slot(entry[0])
             deleted += 1
-        self.counters["rows_deleted"] += deleted
+        self._count(tenant, "rows_deleted", deleted)
         return deleted
 
     def drop_owner(self, owner: int) -> None:
@@ -272,7 +329,7 @@ class PeerPool:
             if alloc.expires > now:
                 break
             self.abort(alloc.owner, alloc_id)
-            self.counters["allocs_expired"] += 1
+            self._count(self._slot_tenant[alloc.slots[0]], "allocs_expired")
         while self._leases:
             lease_id, lease = next(iter(self._leases.items()))
             if lease.expires > now:
@@ -280,13 +337,30 @@ class PeerPool:
             self._end_lease(lease_id)
             self.counters["leases_expired"] += 1
 
-    def stats(self) -> dict[str, int]:
+    def stats(self, tenant: str | None = None) -> dict[str, int]:
+        """The whole pool's figures (for the operator), or one tenant's own (for its clients)."""
+        if tenant is not None:
+            quota = self.num_slots if self.quotas is None else self.quotas.get(tenant, 0)
+            return {
+                "slots": self.num_slots,
+                "slot_bytes": self.slot_bytes,
+                "quota_slots": quota,
+                "used_slots": self._used.get(tenant, 0),
+                "rows": self._rows.get(tenant, 0),
+                "pending_slots": sum(
+                    len(a.slots) for a in self._allocs.values() if self._slot_tenant[a.slots[0]] == tenant
+                ),
+                "leases": sum(
+                    1 for lease in self._leases.values() if self._slot_tenant[lease.slots[0]] == tenant
+                ),
+                **self._tenant_counters.get(tenant, dict.fromkeys(_COUNTERS, 0)),
+            }
         pending = sum(len(a.slots) for a in self._allocs.values())
         return {
             "slots": self.num_slots,
             "slot_bytes": self.slot_bytes,
             "rows": len(self._index),
-            "free_slots": len(self._free),
+            "free_slots": self._free_count(),
             "pending_slots": pending,
             "retired_slots": len(self._retired),
             "leases": len(self._leases),
@@ -294,19 +368,35 @@ class PeerPool:
         }
 
     def check(self) -> None:
-        """Every slot is in exactly one state (free, pending, stored, retired): for tests."""
+        """Every slot of a run is in exactly one state (free, pending, stored, retired), and
+        every row lies in its tenant's run: for tests."""
         stored = [slot for slot, _ in self._index.values()]
         pending = [slot for a in self._allocs.values() for slot in a.slots]
-        free = list(self._free._heap)
+        free = [slot for run in self._free.values() for slot in run._heap]
         everything = stored + pending + free + list(self._retired)
-        if sorted(everything) != list(range(self.num_slots)):
+        in_runs = sorted(s for first, count in self.ranges.values() for s in range(first, first + count))
+        if sorted(everything) != in_runs:
             raise AssertionError("a slot is lost or in two states")
+        if self.quotas is not None and any(self._run_of[s] != self._slot_tenant[s] for s in stored + pending):
+            raise AssertionError("a row outside its tenant's run")
         if any(self._leased[slot] == 0 for slot in self._retired):
             raise AssertionError("a retired slot without a lease")
         if any(self._leased[slot] for slot in free + pending):
             raise AssertionError("a leased slot is free or pending")
         if len(self.policy) != len(self._index):
             raise AssertionError("policy and index disagree")
+        used: dict[str, int] = {}
+        for slot in stored + pending + list(self._retired):
+            used[self._slot_tenant[slot]] = used.get(self._slot_tenant[slot], 0) + 1
+        if {t: n for t, n in used.items() if n} != {t: n for t, n in self._used.items() if n}:
+            raise AssertionError("slots held per tenant disagree")
+        if self.quotas is not None and any(n > self.quotas.get(t, 0) for t, n in used.items()):
+            raise AssertionError("a tenant holds more than its quota")
+        rows: dict[str, int] = {}
+        for key in self._index:
+            rows[_tenant_of(key)] = rows.get(_tenant_of(key), 0) + 1
+        if rows != {t: n for t, n in self._rows.items() if n}:
+            raise AssertionError("rows per tenant disagree")
 
     # -- internals ------------------------------------------------------------------------
 
@@ -325,33 +415,64 @@ class PeerPool:
             self._leased[slot] -= 1
             if self._leased[slot] == 0 and slot in self._retired:
                 self._retired.discard(slot)
-                self._free.give(slot)
+                self._give(slot)
 
     def _evictable(self, key: object) -> bool:
         entry = self._index.get(key)  # type: ignore[arg-type]
         return entry is not None and self._leased[entry[0]] == 0
 
-    def _make_room(self, wanted: int) -> None:
-        short = wanted - len(self._free)
+    def _make_room(self, short: int, own: bytes | None) -> None:
+        """Evict to free ``short`` more slots: any rows (``own is None``, one shared pool) or
+        only rows whose index key starts with ``own`` (the tenant's own run, under quotas)."""
+        if own is None:
+            evictable = self._evictable
+        else:
+
+            def evictable(key: object) -> bool:
+                return key.startswith(own) and self._evictable(key)  # type: ignore[attr-defined]
+
         if short <= 0:
             return
-        victims = self.policy.evict(short, self._evictable)
+        victims = self.policy.evict(short, evictable)
         if victims is None:  # all-or-nothing: take what can be had, one at a time
             victims = []
-            while len(victims) < short and (one := self.policy.evict(1, self._evictable)):
+            while len(victims) < short and (one := self.policy.evict(1, evictable)):
                 victims.extend(one)
         for key in victims:
             entry = self._index.pop(key, None)  # type: ignore[arg-type]
             if entry is not None:
+                tenant = self._slot_tenant[entry[0]]
+                self._rows[tenant] -= 1
                 self._drop_slot(entry[0])
-                self.counters["evictions"] += 1
+                self._count(tenant, "evictions")
 
     def _drop_slot(self, slot: int) -> None:
         if self._leased[slot]:
             self._retired.add(slot)
         else:
-            self._free.give(slot)
+            self._give(slot)
+
+    def slot_range(self, tenant: str) -> tuple[int, int]:
+        """``(first slot, count)`` a tenant's rows may occupy (the whole pool without quotas)."""
+        return self.ranges.get(tenant if self.quotas is not None else "", (0, 0))
+
+    def _free_of(self, tenant: str) -> FreeSlots:
+        return self._free.get(tenant if self.quotas is not None else "", _NO_SLOTS)
+
+    def _free_count(self) -> int:
+        return sum(len(run) for run in self._free.values())
+
+    def _give(self, slot: int) -> None:
+        self._free[self._run_of[slot]].give(slot)
+        self._used[self._slot_tenant[slot]] -= 1
 
     def _free_slots(self, slots: Sequence[int]) -> None:
         for slot in slots:
-            self._free.give(slot)
+            self._give(slot)
+
+    def _count(self, tenant: str, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+        counters = self._tenant_counters.get(tenant)
+        if counters is None:
+            counters = self._tenant_counters[tenant] = dict.fromkeys(_COUNTERS, 0)
+        counters[name] += n

@@ -12,14 +12,28 @@ only that one). Nothing is ever unpickled.
 Handshake (challenge-response over a shared secret, so the token never travels)::
 
     peer   -> CHALLENGE  magic, version, server nonce
-    client -> AUTH       version, client nonce, HMAC(token, "client" | server nonce | client nonce)
-    peer   -> WELCOME    HMAC(token, "server" | ...), instance id, pool geometry, NIXL metadata
+    client -> AUTH       version, client nonce, tenant, HMAC(token, "client" | transcript)
+    peer   -> WELCOME    (sealed) instance id, pool geometry, NIXL metadata
 
-A wrong MAC closes the connection before the peer says anything about itself: no NIXL
-metadata, no pool address, so no row can be read. A client without a token uses the
-empty key, which only a peer started without a token accepts. Before authentication a
-frame may be at most ``MAX_HANDSHAKE_FRAME`` bytes, so an anonymous connection cannot make
-the peer buffer more than that.
+The transcript is the CHALLENGE payload followed by the AUTH payload up to its MAC, so the
+client's MAC binds both nonces, the protocol version and the tenant it claims: a relay
+cannot graft one client's proof onto another claim. The peer accepts the claim only if the
+MAC verifies under a token that grants that tenant (``tiers/peer_auth.py``). A wrong MAC
+closes the connection before the peer says anything about itself: no NIXL metadata, no
+pool address. A client without a token uses the empty key, which only a peer started
+without a token accepts. Before authentication a frame may be at most
+``MAX_HANDSHAKE_FRAME`` bytes, so an anonymous connection cannot make the peer buffer more.
+
+**The channel after AUTH is authenticated** (``Session``): both sides derive a session key
+from the token and the transcript (so from both nonces), one key per direction, and every
+later frame, WELCOME first, ends with a 16-byte keyed BLAKE2b tag over an implicit
+per-direction sequence number and the whole body. A frame injected, replayed, dropped,
+reordered or rewritten by anyone without the token fails its tag; the receiver raises
+``AuthenticationError`` and closes the connection (on the client: every call in flight
+is a miss, never a served row). The client uses WELCOME's NIXL metadata only after the
+WELCOME's tag verified, so the peer's proof of the token and the metadata are one thing.
+Nothing is encrypted: keys, row headers and metadata are readable on the wire (rows move
+by NIXL, outside this channel; see ``docs/threat-model.md``).
 
 Requests carry a request id chosen by the client; the reply to a request carries the
 same id, so one connection serves many concurrent calls. ``RELEASE`` and ``PUT_ABORT``
@@ -31,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,10 +53,16 @@ from enum import IntEnum
 
 from tiers.row_format import HEADER_BYTES
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KVTP"
 NONCE_BYTES = 32
 MAC_BYTES = 32
+TAG_BYTES = 16
+"""The per-frame tag after the handshake: keyed BLAKE2b-128 (as strong as HMAC here, and
+one C call over the body: ~1 us for a small frame)."""
+MAX_TENANT_BYTES = 64
+TENANT_PATTERN = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DEFAULT_TENANT = "default"
 INSTANCE_ID_BYTES = 16
 
 MAX_FRAME = 1 << 20
@@ -63,14 +84,19 @@ _LEN = struct.Struct("<I")
 _BODY = struct.Struct("<BI")
 FRAME_OVERHEAD = _LEN.size + _BODY.size
 _CHALLENGE = struct.Struct(f"<4sH{NONCE_BYTES}s")
-_AUTH = struct.Struct(f"<H{NONCE_BYTES}s{MAC_BYTES}s")
-_WELCOME = struct.Struct(f"<{MAC_BYTES}s{INSTANCE_ID_BYTES}sQIQQII")
+_AUTH_HEAD = struct.Struct(f"<H{NONCE_BYTES}sB")
+_WELCOME = struct.Struct(f"<{INSTANCE_ID_BYTES}sQIQQII")
+_SEQ = struct.Struct("<Q")
 _ID = struct.Struct("<Q")
 _ERROR = struct.Struct("<HH")
 
 
 class ProtocolError(Exception):
     """A frame or message that breaks the protocol; the connection that sent it is closed."""
+
+
+class AuthenticationError(ProtocolError):
+    """A frame whose tag does not verify: injected, replayed, reordered or rewritten."""
 
 
 class Msg(IntEnum):
@@ -114,12 +140,21 @@ def encode_frame(msg_type: Msg, request_id: int, payload: bytes = b"") -> bytes:
     return _LEN.pack(_BODY.size + len(payload)) + _BODY.pack(msg_type, request_id) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader, max_body: int = MAX_FRAME) -> Frame:
-    """The next frame; ``ProtocolError`` on a bad length or type, ``IncompleteReadError`` at EOF."""
+async def read_frame(
+    reader: asyncio.StreamReader, max_body: int = MAX_FRAME, session: Session | None = None
+) -> Frame:
+    """The next frame; ``ProtocolError`` on a bad length or type, ``IncompleteReadError`` at EOF.
+
+    With ``session`` the frame must carry a valid tag (``AuthenticationError`` otherwise),
+    checked before its type or payload is looked at.
+    """
     (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if length < _BODY.size or length > max_body:
-        raise ProtocolError(f"frame of {length} bytes (allowed {_BODY.size}..{max_body})")
+    least = _BODY.size + (TAG_BYTES if session is not None else 0)
+    if length < least or length > max_body:
+        raise ProtocolError(f"frame of {length} bytes (allowed {least}..{max_body})")
     body = await reader.readexactly(length)
+    if session is not None:
+        body = session.open(body)
     msg_type, request_id = _BODY.unpack_from(body)
     if msg_type not in _MSG_VALUES:
         raise ProtocolError(f"unknown message type {msg_type}")
@@ -173,17 +208,63 @@ class _Reader:
 # -- authentication ---------------------------------------------------------------------
 
 
-def client_mac(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(token, b"kvtier-peer-v1/client" + server_nonce + client_nonce, hashlib.sha256).digest()
+def valid_tenant(tenant: str) -> bool:
+    """1..64 of ``[A-Za-z0-9._-]``, starting alphanumeric: no separator can be smuggled in."""
+    raw = tenant.encode("utf-8", errors="replace")
+    return TENANT_PATTERN.fullmatch(raw) is not None
 
 
-def server_mac(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(token, b"kvtier-peer-v1/server" + server_nonce + client_nonce, hashlib.sha256).digest()
+def client_mac(token: bytes, transcript: bytes) -> bytes:
+    """The client's proof: binds the token to the whole transcript (nonces, version, tenant)."""
+    return hmac.new(token, b"kvtier-peer-v2/client" + transcript, hashlib.sha256).digest()
 
 
 def macs_equal(expected: bytes, received: bytes) -> bool:
     """Constant-time comparison: the time taken says nothing about how many bytes matched."""
     return hmac.compare_digest(expected, received)
+
+
+class Session:
+    """The authenticated channel after AUTH: one key and one sequence number per direction.
+
+    The keys are derived from the token and the transcript, so they are fresh per connection
+    (both nonces are in the transcript) and a frame from one connection, or one direction,
+    never verifies on another. The sequence numbers are not sent: each side counts, so a
+    replayed, dropped or reordered frame verifies under the wrong number and fails.
+    ``seal`` must be called in the order the frames are written to the stream (every writer
+    here seals and writes in one synchronous step).
+    """
+
+    def __init__(self, token: bytes, transcript: bytes, *, is_client: bool) -> None:
+        master = hmac.new(
+            token, b"kvtier-peer-v2/session" + hashlib.sha256(transcript).digest(), hashlib.sha256
+        ).digest()
+        to_peer = hmac.new(master, b"client->peer", hashlib.sha256).digest()
+        to_client = hmac.new(master, b"peer->client", hashlib.sha256).digest()
+        self._send_key, self._recv_key = (to_peer, to_client) if is_client else (to_client, to_peer)
+        self._send_seq = 0
+        self._recv_seq = 0
+
+    def _tag(self, key: bytes, seq: int, body: bytes | memoryview) -> bytes:
+        h = hashlib.blake2b(_SEQ.pack(seq), key=key, digest_size=TAG_BYTES)
+        h.update(body)
+        return h.digest()
+
+    def seal(self, msg_type: Msg, request_id: int, payload: bytes = b"") -> bytes:
+        """One frame with its tag under the next send sequence number."""
+        body = _BODY.pack(msg_type, request_id) + payload
+        tag = self._tag(self._send_key, self._send_seq, body)
+        self._send_seq += 1
+        return _LEN.pack(len(body) + TAG_BYTES) + body + tag
+
+    def open(self, body: bytes) -> bytes:
+        """``body`` without its tag, once the tag verified under the next receive number."""
+        view = memoryview(body)
+        expected = self._tag(self._recv_key, self._recv_seq, view[:-TAG_BYTES])
+        if not hmac.compare_digest(expected, view[-TAG_BYTES:]):
+            raise AuthenticationError(f"frame {self._recv_seq} fails its tag (injected, replayed or altered)")
+        self._recv_seq += 1
+        return body[:-TAG_BYTES]
 
 
 def encode_challenge(nonce: bytes) -> bytes:
@@ -201,25 +282,32 @@ def decode_challenge(payload: bytes) -> bytes:
     return nonce
 
 
-def encode_auth(client_nonce: bytes, mac: bytes) -> bytes:
-    return _AUTH.pack(PROTOCOL_VERSION, client_nonce, mac)
+def encode_auth_body(client_nonce: bytes, tenant: str) -> bytes:
+    """AUTH up to its MAC (the part the transcript includes)."""
+    raw = tenant.encode()
+    if not valid_tenant(tenant):
+        raise ValueError(f"tenant {tenant!r}: 1..{MAX_TENANT_BYTES} of A-Z a-z 0-9 . _ -")
+    return _AUTH_HEAD.pack(PROTOCOL_VERSION, client_nonce, len(raw)) + raw
 
 
-def decode_auth(payload: bytes) -> tuple[bytes, bytes]:
-    """``(client nonce, mac)``."""
+def decode_auth(payload: bytes) -> tuple[bytes, str, bytes]:
+    """``(client nonce, tenant, mac)``; the transcript's AUTH part is ``payload[:-MAC_BYTES]``."""
     r = _Reader(payload)
-    version, nonce, mac = r.unpack(_AUTH)
-    r.end()
+    version, nonce, size = r.unpack(_AUTH_HEAD)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {version}, this peer {PROTOCOL_VERSION}")
-    return nonce, mac
+    raw = r.take(size)
+    mac = r.take(MAC_BYTES)
+    r.end()
+    if TENANT_PATTERN.fullmatch(raw) is None:
+        raise ProtocolError("a tenant name that is not one")
+    return nonce, raw.decode("ascii"), mac
 
 
 @dataclass(frozen=True)
 class Welcome:
     """What an authenticated client learns about the peer: enough to address its pool."""
 
-    mac: bytes
     instance_id: bytes  # new at every start of the peer: a changed id means a restart
     slot_bytes: int
     num_slots: int
@@ -231,7 +319,6 @@ class Welcome:
 
 def encode_welcome(w: Welcome) -> bytes:
     head = _WELCOME.pack(
-        w.mac,
         w.instance_id,
         w.slot_bytes,
         w.num_slots,
@@ -245,14 +332,16 @@ def encode_welcome(w: Welcome) -> bytes:
 
 def decode_welcome(payload: bytes) -> Welcome:
     r = _Reader(payload)
-    mac, instance_id, slot_bytes, num_slots, pool_addr, probe_addr, probe_len, md_len = r.unpack(_WELCOME)
+    instance_id, slot_bytes, num_slots, pool_addr, probe_addr, probe_len, md_len = r.unpack(_WELCOME)
     if md_len > MAX_METADATA_BYTES:
         raise ProtocolError(f"agent metadata of {md_len} bytes (at most {MAX_METADATA_BYTES})")
     metadata = r.take(md_len)
     r.end()
     if slot_bytes == 0 or num_slots == 0 or num_slots > MAX_SLOTS or probe_len < INSTANCE_ID_BYTES:
         raise ProtocolError("peer announces an empty pool")
-    return Welcome(mac, instance_id, slot_bytes, num_slots, pool_addr, probe_addr, probe_len, metadata)
+    if pool_addr == 0 or pool_addr + num_slots * slot_bytes > probe_addr or probe_addr + probe_len > 1 << 64:
+        raise ProtocolError("peer announces a pool that does not fit its address space")
+    return Welcome(instance_id, slot_bytes, num_slots, pool_addr, probe_addr, probe_len, metadata)
 
 
 # -- requests and replies ---------------------------------------------------------------

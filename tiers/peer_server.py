@@ -2,10 +2,15 @@
 
     kvtier peer --listen HOST:PORT --capacity SIZE [--row-bytes SIZE] [--token-file F] [--policy NAME]
 
-The pool is one buffer, pre-faulted, registered with NIXL once and kept
-registered for the life of the process (deregistering would not revoke a client's access
-anyway; what a client may touch is guarded by protocol, in ``tiers/peer_pool.py``). It is
-cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
+``--token-file`` maps tokens to tenants (``tiers/peer_auth.py``); each connection acts as
+the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
+(who may reach what, what each transport enforces) is ``docs/threat-model.md``.
+
+The pool is one buffer, pre-faulted, registered with NIXL once per run of slots (one run
+per tenant of the token file, else one) and kept registered for the life of the process
+(deregistering would not revoke a client's access anyway; what a client may touch is
+guarded by protocol, in ``tiers/peer_pool.py``, and by the transport: ``ServedMemory``).
+It is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
 share the slots, a smaller row uses the head of its slot). Fixed slots keep a slot's
 address a multiplication and make eviction a one-for-one swap; vLLM pads every group's page
 to one size anyway, so little is wasted.
@@ -18,9 +23,14 @@ contains, delete, stats. Its NIXL agent has no progress thread; the loop progres
 every millisecond while clients are connected (a new client's first transfer needs the
 target to answer the transport's wire-up) and rarely otherwise.
 
-A malformed or oversized message closes that connection only; a failed handshake closes
-the connection before the peer says anything about itself. SIGTERM or SIGINT stops the
-peer cleanly (exit status 0). When ready it writes one line to stdout,
+A malformed or oversized message, or one whose tag fails, closes that connection only; a
+failed handshake closes the connection before the peer says anything about itself.
+Availability: a connection has ``--handshake-timeout`` to authenticate; at most
+``MAX_UNAUTHENTICATED_PER_SOURCE`` unauthenticated connections per source address and
+``MAX_UNAUTHENTICATED`` in all are kept (a new one pushes out the oldest, so idle sockets
+cannot lock a real client out); ``--max-connections`` counts authenticated connections only.
+UCX is bound to the interface of ``--listen`` (``UCX_NET_DEVICES``) unless the user set it.
+SIGTERM or SIGINT stops the peer cleanly (exit status 0). When ready it writes one line to stdout,
 ``kvtier peer listening on HOST:PORT ...``, which is how scripts and tests learn a port
 chosen with ``:0``. Everything else goes to the log (stderr).
 """
@@ -32,20 +42,22 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import uvloop
 
 from policies import make_policy
 from tiers import peer_protocol as proto
+from tiers.net_iface import bind_ucx_to
 from tiers.nixl_agent import create_agent
+from tiers.peer_auth import Credentials, read_token_file
 from tiers.peer_pool import PeerPool, PoolLimitError, UnknownAllocation
 from tiers.sizes import parse_size
 
@@ -54,7 +66,11 @@ log = logging.getLogger("kvtier.peer")
 PAGE = 4096
 HUGE_PAGE = 2 << 20
 PROBE_BYTES = 64  # after the last slot: the instance id, read once by each client
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 3.0
+MAX_UNAUTHENTICATED_PER_SOURCE = 16
+MAX_UNAUTHENTICATED = 512
+MAX_TTL_S = 3600.0
+MAX_CONNECTIONS = 65536
 WRITE_TIMEOUT_S = 10.0
 FAST_PROGRESS_S = 0.001
 IDLE_PROGRESS_S = 0.05
@@ -67,34 +83,72 @@ class PeerSettings:
     port: int
     capacity_bytes: int
     row_bytes: int
-    token: bytes  # b"" when the peer was started without a token
+    credentials: Credentials  # Credentials.unauthenticated() when started without a token file
     policy: str
     alloc_ttl_s: float
     lease_ttl_s: float
-    max_connections: int
+    max_connections: int  # authenticated connections
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    max_unauthenticated_per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE
+    max_unauthenticated: int = MAX_UNAUTHENTICATED
+
+
+@dataclass(frozen=True)
+class Region:
+    """One run of slots and its probe, as its tenant's clients see it."""
+
+    first_slot: int  # the pool's slot number of this run's slot 0 (wire slots are relative)
+    num_slots: int
+    pool_addr: int
+    probe_addr: int
+    metadata: bytes  # NIXL metadata describing this region only
 
 
 class ServedMemory:
-    """The slots and a probe area in one buffer registered with NIXL for the process lifetime.
+    """The slots in one buffer, one NIXL registration per run of slots (per tenant under
+    quotas, else one), registered for the process lifetime.
+
+    Each run is followed by a probe area holding the instance id; the first starts 2 MiB
+    aligned, the others page aligned.
+    A tenant's clients get metadata of their own run only (``get_partial_agent_metadata``):
+    NIXL refuses to initiate a transfer outside it, and an RDMA NIC refuses one that a client
+    forged (on UCX TCP and CMA nothing does: ``docs/threat-model.md``).
 
     A numpy allocation (numpy asks for transparent huge pages), every page faulted in at
-    start rather than during a client's first transfer, slot 0 aligned to 2 MiB. Alignment
-    is a measured matter: a CMA copy between buffers whose addresses differ mod 64 runs at
-    about half speed, and host tiers are torch allocations (aligned), so slots are too.
+    start rather than during a client's first transfer. Alignment is a measured matter: a
+    CMA copy between buffers whose addresses differ mod 64 runs at about half speed, and
+    host tiers are torch allocations (aligned), so slots are too.
     """
 
-    def __init__(self, num_slots: int, slot_bytes: int, instance_id: bytes, agent_name: str) -> None:
-        pool_bytes = num_slots * slot_bytes
-        self.buffer = np.zeros(pool_bytes + PROBE_BYTES + HUGE_PAGE, dtype=np.uint8)
+    def __init__(
+        self, runs: dict[str, tuple[int, int]], slot_bytes: int, instance_id: bytes, agent_name: str
+    ) -> None:
+        def stride(count: int) -> int:  # page-aligned runs: a tenant costs at most a page more
+            return -(-(count * slot_bytes + PROBE_BYTES) // PAGE) * PAGE
+
+        runs = {name: run for name, run in runs.items() if run[1] > 0}
+        self.buffer = np.zeros(sum(stride(count) for _, count in runs.values()) + HUGE_PAGE, dtype=np.uint8)
         self.buffer[::PAGE] = 0  # fault every page in now
-        start = -self.buffer.ctypes.data % HUGE_PAGE
-        self.pool_addr = self.buffer.ctypes.data + start
-        self.probe_addr = self.pool_addr + pool_bytes
-        probe = start + pool_bytes
-        self.buffer[probe : probe + len(instance_id)] = np.frombuffer(instance_id, dtype=np.uint8)
         self.agent = create_agent(agent_name)
-        self.agent.register_memory([(self.buffer.ctypes.data, self.buffer.nbytes, 0, "")], "DRAM")
-        self.metadata = self.agent.get_agent_metadata()
+        offset = -self.buffer.ctypes.data % HUGE_PAGE
+        registrations = {}
+        placed = {}
+        for name, (first, count) in runs.items():
+            probe = offset + count * slot_bytes
+            self.buffer[probe : probe + len(instance_id)] = np.frombuffer(instance_id, dtype=np.uint8)
+            addr = self.buffer.ctypes.data + offset
+            registrations[name] = self.agent.register_memory(
+                [(addr, count * slot_bytes + PROBE_BYTES, 0, "")], "DRAM"
+            )
+            placed[name] = (first, count, addr, addr + count * slot_bytes)
+            offset += stride(count)
+        self.regions: dict[str, Region] = {}
+        for name, (first, count, addr, probe_addr) in placed.items():
+            if len(runs) == 1:
+                metadata = self.agent.get_agent_metadata()
+            else:
+                metadata = self.agent.get_partial_agent_metadata(registrations[name], True, ["UCX"])
+            self.regions[name] = Region(first, count, addr, probe_addr, metadata)
 
     def progress(self) -> None:
         """Let the agent answer transport wire-up from new clients (no progress thread)."""
@@ -119,14 +173,16 @@ class PeerServer:
             make_policy(settings.policy, num_slots),
             alloc_ttl_s=settings.alloc_ttl_s,
             lease_ttl_s=settings.lease_ttl_s,
+            quotas=settings.credentials.quotas(num_slots),
         )
         self.memory = ServedMemory(
-            num_slots, settings.row_bytes, self.instance_id, f"kvtier-peer-{self.instance_id.hex()}"
+            self.pool.ranges, settings.row_bytes, self.instance_id, f"kvtier-peer-{self.instance_id.hex()}"
         )
         self._conn_ids = itertools.count(1)
-        self._connections: dict[int, asyncio.StreamWriter] = {}
+        self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
+        self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
         self._handlers: set[asyncio.Task] = set()
-        self.counters = {"connections": 0, "auth_failures": 0, "protocol_errors": 0}
+        self.counters = {"connections": 0, "auth_failures": 0, "protocol_errors": 0, "pushed_out": 0}
 
     async def serve(self, ready: asyncio.Future[tuple[str, int]], stop: asyncio.Event) -> None:
         server = await asyncio.start_server(
@@ -170,15 +226,24 @@ class PeerServer:
         self._handlers.add(task)
         conn_id = next(self._conn_ids)
         peername = writer.get_extra_info("peername")
+        source = str(peername[0]) if isinstance(peername, tuple) else str(peername)
         try:
+            self._admit(conn_id, source, writer)
+            tenant, session = await self._handshake(reader, writer, peername)
+            self._unauthenticated.pop(conn_id, None)
+            if session is None:
+                return
+            region = self.memory.regions.get(tenant if self.pool.quotas is not None else "")
+            if region is None:
+                log.warning("refusing %s: tenant %r has no slots", peername, tenant)
+                return
             if len(self._connections) >= self.settings.max_connections:
                 log.warning("refusing %s: %d connections already", peername, len(self._connections))
                 return
             self._connections[conn_id] = writer
-            if not await self._handshake(reader, writer, peername):
-                return
             self.counters["connections"] += 1
-            await self._requests(conn_id, reader, writer)
+            await self._welcome(writer, session, region)
+            await self._requests(conn_id, tenant, region.first_slot, session, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client left
         except proto.ProtocolError as exc:
@@ -193,92 +258,141 @@ class PeerServer:
         finally:
             self.pool.drop_owner(conn_id)
             self._connections.pop(conn_id, None)
+            self._unauthenticated.pop(conn_id, None)
             self._handlers.discard(task)
             writer.close()
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peername) -> bool:
-        token = self.settings.token
+    def _admit(self, conn_id: int, source: str, writer: asyncio.StreamWriter) -> None:
+        """Keep at most so many unauthenticated connections per source and in all: a new one
+        pushes out the oldest (which had its chance), so idle sockets, however many, cannot
+        keep a real client from reaching the handshake."""
+        same = [cid for cid, (src, _) in self._unauthenticated.items() if src == source]
+        for victim in same[: max(0, len(same) + 1 - self.settings.max_unauthenticated_per_source)]:
+            self._push_out(victim)
+        for victim in list(self._unauthenticated)[
+            : max(0, len(self._unauthenticated) + 1 - self.settings.max_unauthenticated)
+        ]:
+            self._push_out(victim)
+        self._unauthenticated[conn_id] = (source, writer)
+
+    def _push_out(self, conn_id: int) -> None:
+        source, writer = self._unauthenticated.pop(conn_id)
+        self.counters["pushed_out"] += 1  # its handler counts the failed handshake too
+        log.info("closing an unauthenticated connection from %s: too many from there", source)
+        writer.transport.abort()
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peername
+    ) -> tuple[str, proto.Session | None]:
+        """The tenant and session of a client that proved a token granting that tenant;
+        ``(.., None)`` (and the connection is to be closed, unanswered) otherwise."""
         nonce = os.urandom(proto.NONCE_BYTES)
-        writer.write(proto.encode_frame(proto.Msg.CHALLENGE, 0, proto.encode_challenge(nonce)))
+        challenge = proto.encode_challenge(nonce)
+        writer.write(proto.encode_frame(proto.Msg.CHALLENGE, 0, challenge))
         try:
             frame = await asyncio.wait_for(
-                proto.read_frame(reader, proto.MAX_HANDSHAKE_FRAME), HANDSHAKE_TIMEOUT_S
+                proto.read_frame(reader, proto.MAX_HANDSHAKE_FRAME), self.settings.handshake_timeout_s
             )
             if frame.type != proto.Msg.AUTH:
                 raise proto.ProtocolError(f"{frame.type.name} before authentication")
-            client_nonce, mac = proto.decode_auth(frame.payload)
+            _client_nonce, tenant, mac = proto.decode_auth(frame.payload)
         except (proto.ProtocolError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             self.counters["auth_failures"] += 1
             log.warning("closing %s: no valid handshake (%s)", peername, exc or type(exc).__name__)
-            return False
-        if not proto.macs_equal(proto.client_mac(token, nonce, client_nonce), mac):
+            return "", None
+        transcript = challenge + frame.payload[: -proto.MAC_BYTES]
+        granted = None
+        for token in self.settings.credentials.tokens_for(tenant):  # every one: no early exit
+            if proto.macs_equal(proto.client_mac(token, transcript), mac):
+                granted = token
+        if granted is None:
             self.counters["auth_failures"] += 1
-            log.warning("closing %s: wrong or missing token", peername)
-            return False
+            log.warning("closing %s: wrong or missing token for tenant %r", peername, tenant)
+            return tenant, None
+        return tenant, proto.Session(granted, transcript, is_client=False)
+
+    async def _welcome(self, writer: asyncio.StreamWriter, session: proto.Session, region: Region) -> None:
+        """The tenant's own run of slots: its address, size and the metadata of it alone."""
         welcome = proto.Welcome(
-            mac=proto.server_mac(token, nonce, client_nonce),
             instance_id=self.instance_id,
             slot_bytes=self.pool.slot_bytes,
-            num_slots=self.pool.num_slots,
-            pool_addr=self.memory.pool_addr,
-            probe_addr=self.memory.probe_addr,
+            num_slots=region.num_slots,
+            pool_addr=region.pool_addr,
+            probe_addr=region.probe_addr,
             probe_len=proto.INSTANCE_ID_BYTES,
-            agent_metadata=self.memory.metadata,
+            agent_metadata=region.metadata,
         )
-        writer.write(proto.encode_frame(proto.Msg.WELCOME, 0, proto.encode_welcome(welcome)))
+        writer.write(session.seal(proto.Msg.WELCOME, 0, proto.encode_welcome(welcome)))
         await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
-        return True
 
     async def _requests(
-        self, conn_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        conn_id: int,
+        tenant: str,
+        first_slot: int,
+        session: proto.Session,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         while True:
-            frame = await proto.read_frame(reader, proto.MAX_FRAME)
-            reply = self._dispatch(conn_id, frame)
+            frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
+            reply = self._dispatch(conn_id, tenant, first_slot, frame)
             if reply is not None:
-                writer.write(reply)
+                writer.write(session.seal(*reply))
                 await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
 
-    def _dispatch(self, conn: int, frame: proto.Frame) -> bytes | None:
-        """The reply frame to one request (``None`` for the verbs that have none)."""
+    def _dispatch(
+        self, conn: int, tenant: str, first: int, frame: proto.Frame
+    ) -> tuple[proto.Msg, int, bytes] | None:
+        """The reply to one request, unsealed (``None`` for the verbs that have none). Every
+        verb acts in ``tenant``'s namespace only; slots on the wire count from ``first``, the
+        tenant's run."""
         msg, rid, payload = proto.Msg, frame.request_id, frame.payload
         pool = self.pool
         try:
             if frame.type == msg.PUT_ALLOC:
-                alloc_id, slots = pool.allocate(conn, *proto.decode_put_alloc(payload))
-                return proto.encode_frame(msg.ALLOCATED, rid, proto.encode_allocated(alloc_id, slots))
+                alloc_id, slots = pool.allocate(conn, *proto.decode_put_alloc(payload), tenant=tenant)
+                wire = [s - first if s < proto.EXISTS else s for s in slots]
+                return msg.ALLOCATED, rid, proto.encode_allocated(alloc_id, wire)
             if frame.type == msg.PUT_COMMIT:
                 alloc_id, headers = proto.decode_commit(payload)
                 stored = pool.commit(conn, alloc_id, headers)
-                return proto.encode_frame(msg.COMMITTED, rid, proto.encode_flags(stored))
+                return msg.COMMITTED, rid, proto.encode_flags(stored)
             if frame.type == msg.PUT_ABORT:
                 pool.abort(conn, proto.decode_id(payload))
                 return None
             if frame.type == msg.GET:
-                lease_id, entries = pool.lookup(conn, proto.decode_keys(payload))
-                return proto.encode_frame(msg.LEASED, rid, proto.encode_leased(lease_id, entries))
+                lease_id, entries = pool.lookup(conn, proto.decode_keys(payload), tenant)
+                wire_entries = [(e[0] - first, e[1]) if e is not None else None for e in entries]
+                return msg.LEASED, rid, proto.encode_leased(lease_id, wire_entries)
             if frame.type == msg.RELEASE:
                 pool.release(conn, proto.decode_id(payload))
                 return None
             if frame.type == msg.CONTAINS:
-                flags = pool.contains(proto.decode_keys(payload))
-                return proto.encode_frame(msg.CONTAINED, rid, proto.encode_flags(flags))
+                flags = pool.contains(proto.decode_keys(payload), tenant)
+                return msg.CONTAINED, rid, proto.encode_flags(flags)
             if frame.type == msg.DELETE:
-                deleted = pool.delete(proto.decode_keys(payload))
-                return proto.encode_frame(msg.DELETED, rid, proto.encode_count(deleted))
+                deleted = pool.delete(proto.decode_keys(payload), tenant)
+                return msg.DELETED, rid, proto.encode_count(deleted)
             if frame.type == msg.STATS:
                 if payload:
                     raise proto.ProtocolError("STATS carries no payload")
-                stats = {**pool.stats(), **self.counters, "connected": len(self._connections)}
-                return proto.encode_frame(msg.STATS_REPLY, rid, proto.encode_stats(stats))
+                stats = {
+                    **pool.stats(tenant),
+                    "auth_failures": self.counters["auth_failures"],
+                    "protocol_errors": self.counters["protocol_errors"],
+                }
+                return msg.STATS_REPLY, rid, proto.encode_stats(stats)
         except UnknownAllocation:
-            error = proto.encode_error(proto.ErrorCode.UNKNOWN_ALLOCATION, "allocation expired or unknown")
-            return proto.encode_frame(msg.ERROR, rid, error)
+            return (
+                msg.ERROR,
+                rid,
+                proto.encode_error(proto.ErrorCode.UNKNOWN_ALLOCATION, "allocation expired or unknown"),
+            )
         except PoolLimitError as exc:
-            return proto.encode_frame(msg.ERROR, rid, proto.encode_error(proto.ErrorCode.LIMIT, str(exc)))
+            return msg.ERROR, rid, proto.encode_error(proto.ErrorCode.LIMIT, str(exc))
         except ValueError as exc:  # well-formed but inconsistent (a header count)
-            error = proto.encode_error(proto.ErrorCode.BAD_REQUEST, str(exc))
-            return proto.encode_frame(msg.ERROR, rid, error)
+            return msg.ERROR, rid, proto.encode_error(proto.ErrorCode.BAD_REQUEST, str(exc))
         raise proto.ProtocolError(f"{frame.type.name} is not a request")
 
 
@@ -300,21 +414,27 @@ def _size(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
+    """Seconds in (0, ``MAX_TTL_S``]: ``inf`` or ``nan`` would make an expiry never happen."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    if not (math.isfinite(value) and 0 < value <= MAX_TTL_S):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, {MAX_TTL_S:g}]")
     return value
 
 
-def read_token(path: str) -> bytes:
-    """The shared secret: the file's bytes without surrounding whitespace, never empty."""
-    token = Path(path).read_bytes().strip()
-    if not token:
-        raise ValueError(f"token file {path!r} is empty")
-    return token
+def _count(limit: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= limit:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in 1..{limit}")
+        return value
+
+    return parse
 
 
 def parse_args(argv: list[str] | None) -> PeerSettings:
@@ -324,7 +444,11 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
     parser.add_argument(
         "--row-bytes", type=_size, default=2 << 20, metavar="SIZE", help="the largest row; one slot (2MiB)"
     )
-    parser.add_argument("--token-file", metavar="F", help="shared secret clients must prove (HMAC)")
+    parser.add_argument(
+        "--token-file",
+        metavar="F",
+        help="'tenant: token' lines (each tenant an equal quota), or one token granting tenant 'default'",
+    )
     parser.add_argument("--policy", default="lru", metavar="NAME", help="eviction policy (lru)")
     parser.add_argument(
         "--alloc-ttl", type=_seconds, default=10.0, metavar="S", help="uncommitted puts expire"
@@ -332,7 +456,20 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
     parser.add_argument(
         "--lease-ttl", type=_seconds, default=10.0, metavar="S", help="unreleased reads expire"
     )
-    parser.add_argument("--max-connections", type=int, default=256, metavar="N")
+    parser.add_argument(
+        "--handshake-timeout",
+        type=_seconds,
+        default=HANDSHAKE_TIMEOUT_S,
+        metavar="S",
+        help="a connection that has not authenticated by then is closed",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_count(MAX_CONNECTIONS),
+        default=256,
+        metavar="N",
+        help="authenticated connections",
+    )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -340,11 +477,11 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    token = b""
+    credentials = Credentials.unauthenticated()
     if args.token_file:
         try:
-            token = read_token(args.token_file)
-        except (OSError, ValueError) as exc:
+            credentials = read_token_file(args.token_file)
+        except ValueError as exc:
             parser.error(f"--token-file: {exc}")
     else:
         log.warning("no --token-file: any client that reaches %s:%d can read and write rows", *args.listen)
@@ -352,6 +489,11 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
         parser.error(f"--capacity {args.capacity} B is less than one row of --row-bytes {args.row_bytes} B")
     if args.row_bytes > 0xFFFFFFFF:
         parser.error("--row-bytes must be below 4 GiB")
+    if not credentials.open and args.capacity // args.row_bytes < len(credentials.tenants):
+        parser.error(
+            f"--capacity holds {args.capacity // args.row_bytes} rows: fewer than the "
+            f"{len(credentials.tenants)} tenants of --token-file (each needs a quota of one row at least)"
+        )
     try:
         make_policy(args.policy, 1)
     except ValueError as exc:
@@ -361,12 +503,19 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
         port=args.listen[1],
         capacity_bytes=args.capacity,
         row_bytes=args.row_bytes,
-        token=token,
+        credentials=credentials,
         policy=args.policy,
         alloc_ttl_s=args.alloc_ttl,
         lease_ttl_s=args.lease_ttl,
         max_connections=args.max_connections,
+        handshake_timeout_s=args.handshake_timeout,
     )
+
+
+def _auth_summary(credentials: Credentials) -> str:
+    if credentials.open:
+        return "none"
+    return f"tokens for {len(credentials.tenants)} tenant(s)"
 
 
 StatsHook = Callable[[Callable[[], dict[str, int]]], object]
@@ -380,6 +529,7 @@ async def run(settings: PeerSettings, on_ready: StatsHook | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
+    bind_ucx_to(settings.host)  # before the agent exists: UCX reads it when it starts
     server = PeerServer(settings)
     ready: asyncio.Future[tuple[str, int]] = loop.create_future()
     serving = asyncio.create_task(server.serve(ready, stop))
@@ -390,7 +540,7 @@ async def run(settings: PeerSettings, on_ready: StatsHook | None = None) -> int:
     pool = server.pool
     sys.stdout.write(
         f"kvtier peer listening on {host}:{port}: {pool.num_slots} slots of {pool.slot_bytes} B, "
-        f"policy {settings.policy}, auth {'token' if settings.token else 'none'}, "
+        f"policy {settings.policy}, auth {_auth_summary(settings.credentials)}, "
         f"ready in {time.monotonic() - started:.2f} s\n"
     )
     sys.stdout.flush()

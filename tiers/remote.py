@@ -43,7 +43,12 @@ misses its deadline has its handle released and the remote agent removed before 
 returns (``tiers/nixl_agent.py``).
 
 Keys on the wire are ``namespace + key``: the namespace (a digest that includes the tenant
-salt) keeps engines and tenants that must not share rows apart, at the peer itself.
+salt) keeps engines that must not share rows apart. Tenants are kept apart by the peer
+itself: the client claims ``tenant`` in its handshake, the peer accepts the claim only if
+the token grants it, and keeps each tenant's rows in its own namespace and quota
+(``tiers/peer_pool.py``). A peer's NIXL metadata is used only after the WELCOME carrying it
+verified, and after it passed ``tiers/nixl_metadata.py``'s shape checks (malformed metadata
+crashed NIXL; now it is a peer that cannot be used).
 
 Threads: the coroutines run on the caller's event loop; NIXL runs on the agent's own
 thread, checksums on the thread beside it. ``may_contain`` and ``stats``
@@ -73,8 +78,18 @@ from tiers.base import LowerTier, Row, TierError
 from tiers.buffer_address import buffer_address
 from tiers.fast_checksum import checksum_at
 from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors, quietly
+from tiers.nixl_metadata import MetadataError, check_peer_metadata
 from tiers.peer_client import PeerClient, PeerRefused, PeerTimeout, PeerUnavailable
-from tiers.peer_protocol import EXISTS, INSTANCE_ID_BYTES, MAX_KEY_BYTES, MAX_KEYS, NO_SLOT, Welcome
+from tiers.peer_protocol import (
+    DEFAULT_TENANT,
+    EXISTS,
+    INSTANCE_ID_BYTES,
+    MAX_KEY_BYTES,
+    MAX_KEYS,
+    NO_SLOT,
+    Welcome,
+    valid_tenant,
+)
 from tiers.row_format import LAYOUT_ID_BYTES, RowHeader
 from tiers.row_format import VERSION as ROW_FORMAT_VERSION
 
@@ -141,10 +156,12 @@ class RemoteTier(LowerTier):
 
     ``peers``: ``"host:port"`` strings. ``namespace``: prefixes every key on the wire.
     ``layout_id``: the 16-byte layout id of the rows this client puts; ``get`` also serves
-    rows of ``readable_layouts`` (layouts its owner converts from). ``token``: the shared
-    secret of the peers (``None``: peers started without one). ``deadline_s``: the most any
-    call takes (control messages and transfers together). ``backoff_s``/``max_backoff_s``:
-    how long a failed peer rests before it is tried again (doubling per failure).
+    rows of ``readable_layouts`` (layouts its owner converts from). ``token``: the secret
+    this client proves to the peers (``None``: peers started without one); ``tenant``: the
+    tenant it claims there, which that token must grant (else the peer refuses it).
+    ``deadline_s``: the most any call takes (control messages and transfers together).
+    ``backoff_s``/``max_backoff_s``: how long a failed peer rests before it is tried again
+    (doubling per failure).
     ``transfer_bytes``: rows per NIXL request are cut at about this many bytes (at least one
     row; one descriptor per row). ``keys_per_request``: keys per control message (the
     protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many stored keys
@@ -162,6 +179,7 @@ class RemoteTier(LowerTier):
         layout_id: bytes,
         *,
         token: bytes | None = None,
+        tenant: str = DEFAULT_TENANT,
         deadline_s: float = 2.0,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
@@ -179,6 +197,8 @@ class RemoteTier(LowerTier):
             raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
+        if not valid_tenant(tenant):
+            raise ValueError(f"tenant {tenant!r}: 1..64 of A-Z a-z 0-9 . _ -, starting alphanumeric")
         if not 0 < keys_per_request <= MAX_KEYS:
             raise ValueError(f"keys_per_request must be in 1..{MAX_KEYS}")
         self._peers = []
@@ -189,6 +209,7 @@ class RemoteTier(LowerTier):
         self.layout_id = bytes(layout_id)
         self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
         self.token = token
+        self.tenant = tenant
         self.deadline_s = deadline_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -707,8 +728,19 @@ class RemoteTier(LowerTier):
         name: str | None = None
         peer.connecting = peer.connecting or asyncio.current_task()
         try:
-            client = await PeerClient.connect(peer.host, peer.port, self.token, deadline, self._on_lost(peer))
+            client = await PeerClient.connect(
+                peer.host, peer.port, self.token, deadline, self._on_lost(peer), self.tenant
+            )
             welcome = client.welcome
+            try:
+                check_peer_metadata(
+                    welcome.agent_metadata,
+                    f"kvtier-peer-{welcome.instance_id.hex()}",
+                    welcome.pool_addr,
+                    welcome.probe_addr + welcome.probe_len,
+                )
+            except MetadataError as exc:
+                raise PeerUnavailable(f"{peer.address}: NIXL metadata refused: {exc}") from exc
             raw_name = await agent.call(
                 lambda a: a.add_remote_agent(welcome.agent_metadata), max(0.01, deadline - time.monotonic())
             )

@@ -203,6 +203,7 @@ class KVTierDiskTier(_KVTierSecondaryTier):
 
 class KVTierRemoteTier(_KVTierSecondaryTier):
     """kvtier's NIXL peers. Keys: ``peers`` (``host:port`` list), ``token_file``,
+    ``peer_tenant`` (the tenant claimed at the peers, which the token must grant),
     ``deadline_s``, ``lookup_wait_s``, ``checksum_thread``, ``capacity`` (required, as in the
     TOML); ``model``/``tenant`` override the namespace."""
 

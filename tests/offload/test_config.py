@@ -186,3 +186,14 @@ def test_a_built_in_policy_and_its_parameters_by_name():
     assert config.host.eviction == "prefix:tinylfu-adaptive"
     with pytest.raises(ConfigError, match="climb_sample"):
         parse_config({"tiers": [{**tier, "eviction_params": {"climb_sample": -1}}]})
+
+
+def test_remote_peer_tenant_is_checked_and_defaults_to_default():
+    base = {"tiers": [{"kind": "host", "capacity": 1}, {"kind": "remote", "capacity": 1, "peers": ["h:1"]}]}
+    assert parse_config(base).tiers[1].peer_tenant == "default"
+    base["tiers"][1]["peer_tenant"] = "team-a"
+    assert parse_config(base).tiers[1].peer_tenant == "team-a"
+    for bad in ("", "a/b", "x" * 65, 7):
+        base["tiers"][1]["peer_tenant"] = bad
+        with pytest.raises(ConfigError, match="peer_tenant"):
+            parse_config(base)

@@ -47,10 +47,11 @@ def die_with_parent() -> None:
 class PeerProcess:
     """One ``python -m tiers.peer_server`` child."""
 
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: the child's whole environment (default: this process's, NIXL quiet)."""
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
-        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+        env = env if env is not None else {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tiers.peer_server", *args],
             cwd=ROOT,
@@ -106,19 +107,29 @@ def start_peers(
     capacity: str = "16MiB",
     row_bytes: str = "64KiB",
     token: bytes | None = None,
+    tenants: dict[str, bytes] | None = None,
     port: int = 0,
+    host: str = "127.0.0.1",
     extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> list[PeerProcess]:
-    """Start ``n`` peers at once (they boot in parallel) and wait until all listen."""
-    args = ["--listen", f"127.0.0.1:{port}", "--capacity", capacity, "--row-bytes", row_bytes, *extra]
-    if token is not None:
+    """Start ``n`` peers at once (they boot in parallel) and wait until all listen.
+
+    ``token``: a single-token file (it grants tenant ``default``); ``tenants``: a tenants
+    file, ``tenant: token`` per entry."""
+    args = ["--listen", f"{host}:{port}", "--capacity", capacity, "--row-bytes", row_bytes, *extra]
+    if token is not None or tenants is not None:
         token_path = log_dir / f"token-{os.urandom(4).hex()}"
-        token_path.write_bytes(token + b"\n")
+        if tenants is not None:
+            token_path.write_bytes(b"".join(t.encode() + b": " + tok + b"\n" for t, tok in tenants.items()))
+        else:
+            assert token is not None
+            token_path.write_bytes(token + b"\n")
         args += ["--token-file", str(token_path)]
     peers = []
     try:
         for _ in range(n):
-            peers.append(PeerProcess(args, log_dir / f"peer-{os.urandom(4).hex()}.log"))
+            peers.append(PeerProcess(args, log_dir / f"peer-{os.urandom(4).hex()}.log", env))
         return [peer.wait_ready() for peer in peers]
     except BaseException:
         for peer in peers:
@@ -181,17 +192,29 @@ async def open_tier(
 
 
 class RawConnection:
-    """A blocking socket that speaks frames, for auth and fuzz tests."""
+    """A blocking socket that speaks frames, for auth, fuzz and relay tests.
 
-    def __init__(self, port: int, timeout: float = 2.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    After ``handshake`` it holds the session: ``request`` seals a frame and ``read_frame``
+    verifies one (raising ``AuthenticationError`` on a bad tag), as a real client does;
+    ``send`` writes raw bytes, sealed or not.
+    """
+
+    def __init__(self, port: int, timeout: float = 2.0, host: str = "127.0.0.1", source: str = "") -> None:
+        self.sock = socket.create_connection(
+            (host, port), timeout=timeout, source_address=(source, 0) if source else None
+        )
         self.sock.settimeout(timeout)
+        self.session: proto.Session | None = None
 
     def close(self) -> None:
         self.sock.close()
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
+
+    def request(self, msg: proto.Msg, request_id: int, payload: bytes = b"") -> None:
+        assert self.session is not None, "handshake first"
+        self.send(self.session.seal(msg, request_id, payload))
 
     def _exact(self, n: int) -> bytes | None:
         out = b""
@@ -211,6 +234,8 @@ class RawConnection:
         body = self._exact(length)
         if body is None:
             return None
+        if self.session is not None:
+            body = self.session.open(body)
         msg_type, request_id = struct.unpack_from("<BI", body)
         return proto.Frame(proto.Msg(msg_type), request_id, body[5:])
 
@@ -223,21 +248,25 @@ class RawConnection:
                     return True
             except (ConnectionResetError, ValueError):
                 return True
+            except TimeoutError:  # nothing to read yet: still open
+                continue
         return False
 
-    def handshake(self, token: bytes | None) -> proto.Welcome | None:
-        """Authenticate; the WELCOME, or ``None`` if the peer closed instead."""
+    def handshake(self, token: bytes | None, tenant: str = proto.DEFAULT_TENANT) -> proto.Welcome | None:
+        """Authenticate as ``tenant``; the WELCOME, or ``None`` if the peer closed instead."""
         challenge = self.read_frame()
         assert challenge is not None and challenge.type == proto.Msg.CHALLENGE
-        server_nonce = proto.decode_challenge(challenge.payload)
-        client_nonce = os.urandom(proto.NONCE_BYTES)
-        mac = proto.client_mac(token or b"", server_nonce, client_nonce)
-        self.send(proto.encode_frame(proto.Msg.AUTH, 0, proto.encode_auth(client_nonce, mac)))
+        proto.decode_challenge(challenge.payload)
+        auth = proto.encode_auth_body(os.urandom(proto.NONCE_BYTES), tenant)
+        transcript = challenge.payload + auth
+        self.send(proto.encode_frame(proto.Msg.AUTH, 0, auth + proto.client_mac(token or b"", transcript)))
+        self.session = proto.Session(token or b"", transcript, is_client=True)
         try:
             frame = self.read_frame()
         except ConnectionResetError:
-            return None
+            frame = None
         if frame is None:
+            self.session = None
             return None
         assert frame.type == proto.Msg.WELCOME
         return proto.decode_welcome(frame.payload)

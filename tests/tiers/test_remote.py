@@ -209,7 +209,7 @@ def _answers_or_closes(raw: RawConnection) -> str:
     """After a fuzzed frame: the connection either still answers STATS or was closed."""
     probe_id = 0xABCDEF
     try:
-        raw.send(proto.encode_frame(proto.Msg.STATS, probe_id))
+        raw.request(proto.Msg.STATS, probe_id)
         while True:
             frame = raw.read_frame()
             if frame is None:
@@ -218,6 +218,8 @@ def _answers_or_closes(raw: RawConnection) -> str:
                 return "answers"
     except (ConnectionResetError, BrokenPipeError):
         return "closed"
+    except proto.AuthenticationError:
+        return "tampered"
 
 
 FRAMES = st.tuples(
@@ -238,7 +240,8 @@ def test_fuzzed_frames_after_auth_answer_or_close(shared, frame):
     msg_type, request_id, payload = frame
     raw = _authenticated(shared[2].port)
     try:
-        raw.send(struct.pack("<IBI", 5 + len(payload), int(msg_type), request_id) + payload)
+        assert raw.session is not None
+        raw.send(raw.session.seal(msg_type, request_id, payload))  # sealed: the decoders are what is fuzzed
         assert _answers_or_closes(raw) in ("answers", "closed")
     finally:
         raw.close()
@@ -263,12 +266,13 @@ async def test_oversized_and_malformed_messages_close_only_that_connection(share
     bystander = _authenticated(peer.port)
     try:
         for bad in (
-            struct.pack("<I", proto.MAX_FRAME + 1),  # too long: refused before it is read
-            proto.encode_frame(proto.Msg.GET, 1, struct.pack("<I", proto.MAX_KEYS + 1)),  # too many keys
-            proto.encode_frame(proto.Msg.WELCOME, 1, b""),  # not a request
+            lambda s: struct.pack("<I", proto.MAX_FRAME + 1),  # too long: refused before it is read
+            lambda s: s.seal(proto.Msg.GET, 1, struct.pack("<I", proto.MAX_KEYS + 1)),  # too many keys
+            lambda s: s.seal(proto.Msg.WELCOME, 1, b""),  # not a request
+            lambda s: proto.encode_frame(proto.Msg.STATS, 1),  # not sealed
         ):
             raw = _authenticated(peer.port)
-            raw.send(bad)
+            raw.send(bad(raw.session))
             assert raw.closed_by_peer()
             raw.close()
         assert _answers_or_closes(bystander) == "answers"
@@ -280,7 +284,7 @@ async def test_oversized_and_malformed_messages_close_only_that_connection(share
         rows.clear_dst()
         assert await tier.get(list(zip(keys, rows.dst, strict=True))) == [True] * 4
         assert all(rows.same(i) for i in range(4))
-        assert (await tier.peer_stats(peer.address))["protocol_errors"] >= 3
+        assert (await tier.peer_stats(peer.address))["protocol_errors"] >= 4
 
 
 @multiprocess
@@ -288,18 +292,18 @@ def test_an_uncommitted_put_expires(shared):
     raw = _authenticated(shared[1].port)
     try:
         keys = [key(i, salt=b"expire") for i in range(3)]
-        raw.send(proto.encode_frame(proto.Msg.PUT_ALLOC, 7, proto.encode_put_alloc(keys, [KIB] * 3)))
+        raw.request(proto.Msg.PUT_ALLOC, 7, proto.encode_put_alloc(keys, [KIB] * 3))
         frame = raw.read_frame()
         assert frame is not None and frame.type == proto.Msg.ALLOCATED
         alloc_id, slots = proto.decode_allocated(frame.payload)
         assert all(s < proto.EXISTS for s in slots)
         time.sleep(1.0)  # --alloc-ttl 0.5, swept every 0.1 s
         header = RowHeader(b"L" * 16, KIB, 0).pack()
-        raw.send(proto.encode_frame(proto.Msg.PUT_COMMIT, 8, proto.encode_commit(alloc_id, [header] * 3)))
+        raw.request(proto.Msg.PUT_COMMIT, 8, proto.encode_commit(alloc_id, [header] * 3))
         frame = raw.read_frame()
         assert frame is not None and frame.type == proto.Msg.ERROR
         assert proto.decode_error(frame.payload)[0] == proto.ErrorCode.UNKNOWN_ALLOCATION
-        raw.send(proto.encode_frame(proto.Msg.CONTAINS, 9, proto.encode_keys(keys)))
+        raw.request(proto.Msg.CONTAINS, 9, proto.encode_keys(keys))
         frame = raw.read_frame()
         assert frame is not None and proto.decode_flags(frame.payload) == [False] * 3
     finally:
@@ -459,7 +463,7 @@ def test_peer_cli_rejects_bad_arguments(argv, message, capsys):
 
 def test_peer_cli_reads_sizes_and_token(tmp_path):
     token_file = tmp_path / "token"
-    token_file.write_bytes(b"  s3cret\n")
+    token_file.write_bytes(b"  s3cret-s3cret-s3cret\n")
     settings = parse_args(
         [
             "--listen",
@@ -472,10 +476,10 @@ def test_peer_cli_reads_sizes_and_token(tmp_path):
             str(token_file),
         ]
     )
-    assert (settings.host, settings.port, settings.capacity_bytes, settings.row_bytes, settings.token) == (
+    assert (settings.host, settings.port, settings.capacity_bytes, settings.row_bytes) == (
         "127.0.0.1",
         7070,
         2**30,
         512 * KIB,
-        b"s3cret",
     )
+    assert dict(settings.credentials.tokens) == {"default": (b"s3cret-s3cret-s3cret",)}

@@ -191,3 +191,95 @@ def test_any_policy_evicts_into_a_consistent_pool(policy):
         p.check()
         p.release(2, lease)
     assert p.stats()["rows"] == 8 and p.counters["evictions"] == 6 * 5 - 8
+
+
+# -- tenants --------------------------------------------------------------------------------
+
+
+def test_each_verb_acts_in_its_tenants_namespace_only():
+    p = pool(slots=8, quotas={"a": 4, "b": 4})
+    alloc_id, slots = p.allocate(1, [b"k"], [SLOT], tenant="a")
+    p.commit(1, alloc_id, [header()])
+    assert p.contains([b"k"], tenant="b") == [False] and p.contains([b"k"], tenant="a") == [True]
+    assert p.lookup(2, [b"k"], tenant="b") == (0, [None])
+    assert p.delete([b"k"], tenant="b") == 0
+    alloc_b, slots_b = p.allocate(2, [b"k"], [SLOT], tenant="b")
+    assert slots_b[0] < EXISTS and slots_b[0] != slots[0]  # a row of its own, not EXISTS
+    p.commit(2, alloc_b, [header()])
+    assert p.stats("a")["rows"] == 1 and p.stats("b")["rows"] == 1 and p.stats()["rows"] == 2
+    assert p.delete([b"k"], tenant="a") == 1 and p.contains([b"k"], tenant="b") == [True]
+    p.check()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "tinylfu"])
+def test_a_flooding_tenant_evicts_only_its_own_rows(policy):
+    p = PeerPool(8, SLOT, make_policy(policy, 8), quotas={"victim": 4, "flood": 4}, clock=Clock())
+    victim = [b"v%d" % i for i in range(4)]
+    alloc_id, slots = p.allocate(1, victim, [SLOT] * 4, tenant="victim")
+    p.commit(1, alloc_id, [header()] * 4)
+    for round_no in range(10):
+        keys = [b"f%d-%d" % (round_no, i) for i in range(3)]
+        alloc_id, slots = p.allocate(2, keys, [SLOT] * 3, tenant="flood")
+        assert all(s < EXISTS for s in slots)  # it always has room: its own old rows
+        p.commit(2, alloc_id, [header()] * 3)
+        p.check()
+    assert p.contains(victim, tenant="victim") == [True] * 4
+    assert p.stats("flood")["used_slots"] == 4 and p.stats("victim")["evictions"] == 0
+
+
+def test_a_tenant_at_its_quota_with_everything_leased_is_refused_not_served_from_others():
+    p = pool(slots=4, quotas={"a": 2, "b": 2})
+    put_a = p.allocate(1, [b"a1", b"a2"], [SLOT] * 2, tenant="a")
+    p.commit(1, put_a[0], [header()] * 2)
+    p.lookup(1, [b"a1", b"a2"], tenant="a")  # leased: not evictable
+    assert p.allocate(1, [b"a3"], [SLOT], tenant="a") == (0, [NO_SLOT])
+    assert p.stats()["free_slots"] == 2  # b's share stays free for b
+    p.check()
+
+
+TENANT_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "alloc", "commit", "get", "release", "delete", "expire", "drop"]),
+        st.integers(0, 3),  # owner; tenant = "t%d" % (owner % 2)
+        st.lists(st.integers(0, 11), min_size=1, max_size=5),
+    ),
+    max_size=60,
+)
+
+
+@given(TENANT_OPS)
+@settings(max_examples=150, deadline=None)
+def test_quotas_and_namespaces_hold_under_any_sequence(ops):
+    clock = Clock()
+    p = pool(slots=7, clock=clock, alloc_ttl_s=3.0, lease_ttl_s=3.0, quotas={"t0": 3, "t1": 3})
+    allocs: list[tuple[int, int, int]] = []
+    leases: list[tuple[int, int]] = []
+    for op, owner, ks in ops:
+        tenant = f"t{owner % 2}"
+        keys = [bytes([k]) for k in ks]
+        clock.now += 0.5
+        if op in ("put", "alloc"):
+            alloc_id, slots = p.allocate(owner, keys, [SLOT] * len(keys), tenant=tenant)
+            n = sum(s < EXISTS for s in slots)
+            if op == "put" and n:
+                p.commit(owner, alloc_id, [header()] * n)
+            elif n:
+                allocs.append((owner, alloc_id, n))
+        elif op == "commit" and allocs:
+            owner, alloc_id, n = allocs.pop()
+            with contextlib.suppress(UnknownAllocation):
+                p.commit(owner, alloc_id, [header()] * n)
+        elif op == "get":
+            lease, _ = p.lookup(owner, keys, tenant=tenant)
+            if lease:
+                leases.append((owner, lease))
+        elif op == "release" and leases:
+            p.release(*leases.pop())
+        elif op == "delete":
+            p.delete(keys, tenant=tenant)
+        elif op == "expire":
+            p.expire()
+        elif op == "drop":
+            p.drop_owner(owner)
+        p.check()  # includes: no tenant holds more than its quota; rows counted per tenant
+        assert p.stats("t0")["used_slots"] <= 3 and p.stats("t1")["used_slots"] <= 3

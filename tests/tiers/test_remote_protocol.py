@@ -47,7 +47,7 @@ def test_replies_round_trip():
     assert proto.decode_flags(proto.encode_flags([True, False, True])) == [True, False, True]
     assert proto.decode_stats(proto.encode_stats({"rows": 3, "slots": 9})) == {"rows": 3, "slots": 9}
     assert proto.decode_error(proto.encode_error(proto.ErrorCode.LIMIT, "too many")) == (2, "too many")
-    welcome = proto.Welcome(b"m" * 32, b"i" * 16, 4096, 10, 1 << 40, 1 << 41, 16, b"metadata")
+    welcome = proto.Welcome(b"i" * 16, 4096, 10, 1 << 40, 1 << 41, 16, b"metadata")
     assert proto.decode_welcome(proto.encode_welcome(welcome)) == welcome
 
 
@@ -74,12 +74,12 @@ def test_garbage_raises_only_protocol_error(payload):
             decode(payload)
 
 
-def _read(data: bytes, max_body: int = proto.MAX_FRAME) -> proto.Frame:
+def _read(data: bytes, max_body: int = proto.MAX_FRAME, session: proto.Session | None = None) -> proto.Frame:
     async def run() -> proto.Frame:
         reader = asyncio.StreamReader()
         reader.feed_data(data)
         reader.feed_eof()
-        return await proto.read_frame(reader, max_body)
+        return await proto.read_frame(reader, max_body, session)
 
     return asyncio.run(run())
 
@@ -97,11 +97,83 @@ def test_frames_are_checked_before_they_are_read():
         _read(frame[:-1])
 
 
-def test_macs_bind_token_and_both_nonces():
-    server, client = os.urandom(32), os.urandom(32)
-    mac = proto.client_mac(b"secret", server, client)
-    assert proto.macs_equal(mac, proto.client_mac(b"secret", server, client))
-    assert not proto.macs_equal(mac, proto.client_mac(b"wrong", server, client))
-    assert not proto.macs_equal(mac, proto.client_mac(b"secret", os.urandom(32), client))
-    assert not proto.macs_equal(mac, proto.server_mac(b"secret", server, client))  # no reflection
+def test_the_client_mac_binds_token_and_whole_transcript():
+    challenge = proto.encode_challenge(os.urandom(32))
+    auth = proto.encode_auth_body(os.urandom(32), "team-a")
+    mac = proto.client_mac(b"secret", challenge + auth)
+    assert proto.macs_equal(mac, proto.client_mac(b"secret", challenge + auth))
+    assert not proto.macs_equal(mac, proto.client_mac(b"wrong", challenge + auth))
+    other_tenant = proto.encode_auth_body(auth[2:34], "team-b")  # same nonces, another claim
+    assert not proto.macs_equal(mac, proto.client_mac(b"secret", challenge + other_tenant))
+    assert not proto.macs_equal(
+        mac, proto.client_mac(b"secret", proto.encode_challenge(os.urandom(32)) + auth)
+    )
+    nonce, tenant, got = proto.decode_auth(auth + mac)
+    assert (nonce, tenant, got) == (auth[2:34], "team-a", mac)
     assert len(mac) == proto.MAC_BYTES and HEADER_BYTES == 40
+
+
+@pytest.mark.parametrize("tenant", ["", "a/b", "x" * 65, "-lead", "nul\x00", "é"])
+def test_tenant_names_that_could_smuggle_a_separator_are_refused(tenant):
+    with pytest.raises(ValueError):
+        proto.encode_auth_body(bytes(32), tenant)
+    raw = struct.pack("<H32sB", proto.PROTOCOL_VERSION, bytes(32), len(tenant.encode())) + tenant.encode()
+    with pytest.raises(proto.ProtocolError):
+        proto.decode_auth(raw + bytes(proto.MAC_BYTES))
+
+
+def _pair(token: bytes = b"t" * 16) -> tuple[proto.Session, proto.Session]:
+    transcript = os.urandom(80)
+    return proto.Session(token, transcript, is_client=True), proto.Session(token, transcript, is_client=False)
+
+
+def _open(session: proto.Session, frame: bytes) -> proto.Frame:
+    return _read(frame, proto.MAX_FRAME, session)
+
+
+def test_a_session_seals_and_verifies_in_order():
+    client, peer = _pair()
+    for i in range(3):
+        got = _open(peer, client.seal(proto.Msg.GET, i, proto.encode_keys([b"k%d" % i])))
+        assert got == proto.Frame(proto.Msg.GET, i, proto.encode_keys([b"k%d" % i]))
+    assert _open(client, peer.seal(proto.Msg.DELETED, 9, proto.encode_count(1))).request_id == 9
+
+
+def test_a_session_refuses_injected_replayed_reflected_reordered_and_altered_frames():
+    client, peer = _pair()
+    first = client.seal(proto.Msg.GET, 1, proto.encode_keys([b"a"]))
+    second = client.seal(proto.Msg.GET, 2, proto.encode_keys([b"b"]))
+    keys = proto.encode_keys([b"a"])
+    forged = struct.pack("<IBI", 5 + len(keys) + proto.TAG_BYTES, proto.Msg.DELETE, 3) + keys + bytes(16)
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, forged)  # injected
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, second)  # reordered (or the first was dropped)
+    _open(peer, first)
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, first)  # replayed
+    altered = bytearray(second)
+    altered[-proto.TAG_BYTES - 1] ^= 1
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, bytes(altered))
+    reply = peer.seal(proto.Msg.GET, 1, proto.encode_keys([b"a"]))
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, reply)  # reflected: the peer's own frame sent back to it
+    other_client, _ = _pair()  # another connection: other nonces, other keys
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, other_client.seal(proto.Msg.GET, 2, proto.encode_keys([b"b"])))
+    wrong_token = proto.Session(b"u" * 16, os.urandom(80), is_client=True)
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, wrong_token.seal(proto.Msg.GET, 2, b""))
+
+
+@given(st.data())
+@settings(max_examples=200)
+def test_any_altered_byte_of_a_sealed_frame_is_refused(data):
+    client, peer = _pair()
+    frame = client.seal(proto.Msg.GET, 7, proto.encode_keys([b"key-one", b"key-two"]))
+    at = data.draw(st.integers(4, len(frame) - 1))  # past the length: every byte the tag covers
+    altered = frame[:at] + bytes([frame[at] ^ data.draw(st.integers(1, 255))]) + frame[at + 1 :]
+    with pytest.raises(proto.AuthenticationError):
+        _open(peer, altered)
+    assert _open(peer, frame).request_id == 7  # the untouched frame still verifies after
