@@ -90,9 +90,14 @@ class Offloader:
             converter=converter,
             convert_on_landing=not convert_on_load,
         )
-        self.worker = OffloadingWorker(
-            self.caches, self.host, blocks_per_row=blocks_per_key, converter=converter
-        )
+        try:
+            self.worker = OffloadingWorker(
+                self.caches, self.host, blocks_per_row=blocks_per_key, converter=converter
+            )
+        except BaseException:
+            self.manager.shutdown()  # the tier engine's thread and loop, the tiers' files
+            self.host.close()
+            raise
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, tuple[bool, list[OffloadKey]]] = {}
 
@@ -199,10 +204,16 @@ class Offloader:
         return render(manager_families(self.manager, row_bytes))
 
     def close(self) -> None:
-        self.wait()
-        self.worker.shutdown()
-        self.manager.shutdown()
-        self.host.close()
+        """Finish the jobs in flight, then release everything this object started: the copy
+        threads, the tier engine's thread and event loop, the lower tiers' files, locks and
+        connections, and the host tier's memory. Measured: file descriptors and threads
+        flat over 100 open/close cycles with host and disk tiers (``tests/offload/test_api.py``)."""
+        try:
+            self.wait()
+        finally:
+            self.worker.shutdown()
+            self.manager.shutdown()
+            self.host.close()
 
     def __enter__(self) -> Offloader:
         return self
