@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from offload.config import KVTierConfig, default_config, load_config
+from offload.config import ConfigError, KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
 from offload.manager import LookupResult
 from offload.row_layout import RowConverter, RowLayout
 from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
+from tiers.base import TierError
 from tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,10 @@ class Offloader:
             convert_on_load = self.caches.device.type != "cpu"
         host_cfg = config.host
         row_bytes = [self.caches.row_bytes(g) * blocks_per_key for g in range(self.caches.num_groups)]
-        self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
+        try:
+            self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
+        except TierError as exc:  # more than this process may allocate now
+            raise ConfigError(f"tiers[0].capacity = {host_cfg.capacity_bytes}: {exc}") from exc
         self.manager = build_manager(
             config,
             self.host,

@@ -1,14 +1,19 @@
 import gc
 import mmap
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from offload.api import Offloader
+from offload.config import ConfigError
 from offload.keys import make_key
 from tests.offload.layouts import LAYOUTS, NUM_BLOCKS, packed_views, per_layer_blocks_first, scramble
+from tiers.host import machine_memory_bytes
 
 
 def keys_for(prefix: str, n: int, group: int = 0) -> list[bytes]:
@@ -233,3 +238,45 @@ def test_rss_is_flat_over_10000_store_and_load_cycles_with_host_and_disk(tmp_pat
         stats = offloader.stats()
     assert stats["lower"]["promotions_done"] > 1000 and stats["tiers"]["disk"]["evictions"] > 1000
     assert grown < 4 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 10,000 cycles"
+
+
+def test_a_host_tier_larger_than_the_machine_is_a_config_error_naming_the_key():
+    kv, groups = per_layer_blocks_first()
+    memory = machine_memory_bytes()
+    assert memory is not None
+    sizes = [2 * memory] + (["1TiB"] if memory < 2**40 else [])
+    for size in sizes:
+        with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity = \d+: host tier of \d+ B: more than"):
+            Offloader(kv, groups, {"tiers": [{"kind": "host", "capacity": size}]})
+
+
+@pytest.mark.multiprocess
+def test_multiprocess_a_host_tier_the_process_may_not_allocate_is_a_config_error_naming_the_key():
+    """Within the machine's memory but beyond the process's address-space limit: torch's
+    allocation fails, and the error says which key to change instead of a torch traceback."""
+    script = (
+        "import resource, torch\n"
+        "from offload.api import Offloader\n"
+        "from tests.offload.layouts import per_layer_blocks_first\n"
+        "kv, groups = per_layer_blocks_first()\n"
+        "with open('/proc/self/status') as f:\n"
+        "    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmSize'))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    Offloader(kv, groups, {'tiers': [{'kind': 'host', 'capacity': '1GiB'}]})\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ConfigError tiers[0].capacity = 1073741824: host tier: cannot allocate"), (
+        done.stdout
+    )
