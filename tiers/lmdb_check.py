@@ -20,6 +20,9 @@ version, page size, and that the file holds every page the metas name), and
 ``walk_problem`` has a child process open the file read-only and read every index entry,
 so a signal there kills the child, not the caller. Either problem makes the store set the
 file aside and start an empty index (the disk tier is a cache: losing it costs misses).
+Measured cost at open: the header check ~0.1 ms; the walk a Python start plus one read of
+the index, 0.25 s for an index of 1,000,000 rows (146 MiB, in the page cache), where the
+tier's own load of it takes 0.21 s.
 
 Not covered: LMDB's free-page list is not walked (py-lmdb cannot reach it); its root page
 is bounds-checked with the rest of the meta. A write transaction that meets garbage there

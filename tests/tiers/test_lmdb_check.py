@@ -201,3 +201,12 @@ async def fill_some(path: Path) -> None:
         assert all(await tier.put([(key, memoryview(child.expected_row(key))) for key in keys]))
     finally:
         await tier.close()
+
+
+def test_a_file_system_smaller_than_the_tier_is_warned_of_at_open(tmp_path, caplog):
+    with small_tmpfs(tmp_path / "mnt", "1m") as mount:
+        asyncio.run(fill_some(mount / "tier"))  # a 64 MiB tier on a 1 MiB file system
+    assert "the file system has room for" in caplog.text and "may grow to" in caplog.text
+    caplog.clear()
+    asyncio.run(fill_some(tmp_path / "roomy"))
+    assert "the file system has room for" not in caplog.text
