@@ -10,8 +10,9 @@ was committed before the kill.
 
 ``open PATH``: open a ``DiskTier`` at PATH (whose files a test has damaged), read every key
 back, and print one JSON line: ``{"outcome": "error", "message": ...}`` for a ``TierError``,
-else ``{"outcome": "opened", "rows": ..., "hits": ..., "wrong": ...}`` (``wrong``: rows served
-that are not the row stored). A signal shows as the process's negative return code.
+else ``{"outcome": "opened", "rows": ..., "hits": ..., "wrong": ..., "stored": ...}`` (``wrong``:
+rows served that are not the row stored; ``stored``: of 5 new rows put after the reads). A
+signal shows as the process's negative return code.
 
 Row contents are a function of the key alone (``expected_row``), so the parent can check
 every row it reads back without being told what was written.
@@ -91,9 +92,12 @@ async def open_and_read(path: str) -> None:
             ok and bytes(dst) != expected_row(key) for (key, dst), ok in zip(dsts, found, strict=True)
         )
         rows = int(tier.stats()["rows"])
+        fresh = [key_of(KEYS + i) for i in range(5)]  # then the tier takes new rows (or drops them)
+        stored = sum(await tier.put([(key, memoryview(expected_row(key))) for key in fresh]))
     finally:
         await tier.close()
-    print(json.dumps({"outcome": "opened", "rows": rows, "hits": sum(found), "wrong": wrong}), flush=True)
+    report = {"outcome": "opened", "rows": rows, "hits": sum(found), "wrong": wrong, "stored": stored}
+    print(json.dumps(report), flush=True)
 
 
 def main(argv: list[str]) -> None:

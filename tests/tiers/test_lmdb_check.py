@@ -81,6 +81,7 @@ def test_a_sound_index_passes_both_checks_and_opens_whole(sound, tmp_path):
         "rows": child.KEYS,
         "hits": child.KEYS,
         "wrong": 0,
+        "stored": 5,
     }
     assert not (tmp_path / "t" / f"{LMDB_FILE}.corrupt").exists()
 
@@ -94,7 +95,7 @@ def test_multiprocess_an_index_cut_anywhere_is_set_aside_and_the_tier_starts_emp
         data = damaged_copy(sound, tmp_path / f"cut{trial}")
         os.truncate(data, cut)
         report = open_in_child(data.parent)
-        assert report == {"outcome": "opened", "rows": 0, "hits": 0, "wrong": 0}, f"cut at {cut}"
+        assert report == {"outcome": "opened", "rows": 0, "hits": 0, "wrong": 0, "stored": 5}, f"cut at {cut}"
         assert (data.parent / f"{LMDB_FILE}.corrupt").stat().st_size == cut  # kept to look at
 
 
@@ -117,6 +118,7 @@ def test_multiprocess_garbage_in_the_index_is_a_miss_or_an_empty_tier_never_a_si
         report = open_in_child(data.parent)
         assert report["outcome"] == "opened", report
         assert report["wrong"] == 0 and report["hits"] == report["rows"] <= child.KEYS, report
+        assert report["stored"] == 5, report  # and the tier goes on
         outcomes.append(report["rows"])
     assert outcomes[:2] == [0, 0]  # an unreadable header: set aside
 
@@ -182,15 +184,21 @@ def test_multiprocess_a_full_file_system_is_a_tier_error_or_dropped_stores_never
             if report["outcome"] == "error":
                 errors += 1
                 assert "No space left on device" in report["message"], report
-            else:
-                assert report["wrong"] == 0, report
+            else:  # it started: stores are dropped while the disk is full, never a crash
+                assert report["wrong"] == 0 and report["stored"] in range(6), report
         assert errors >= 3  # the fullest ones cannot start LMDB at all
         # A sound tier whose file system fills up later still opens and serves its rows.
         for name in os.listdir(mount):
             shutil.rmtree(mount / name) if (mount / name).is_dir() else os.unlink(mount / name)
         asyncio.run(fill_some(mount / "tier"))
         fill_leaving(mount, 0)
-        assert open_in_child(mount / "tier") == {"outcome": "opened", "rows": 10, "hits": 10, "wrong": 0}
+        assert open_in_child(mount / "tier") == {
+            "outcome": "opened",
+            "rows": 10,
+            "hits": 10,
+            "wrong": 0,
+            "stored": 0,  # no room: dropped, counted, not a crash
+        }
 
 
 async def fill_some(path: Path) -> None:
