@@ -71,8 +71,8 @@ def reserve_lock_file(directory: str, max_readers: int) -> None:
     are the ones its map writes to, and no write through the map can fault for space.
     """
     fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, lock_file_bytes(max_readers))
+    try:  # a larger file (more reader slots) is used whole by LMDB: its holes are filled too
+        os.posix_fallocate(fd, 0, max(lock_file_bytes(max_readers), os.fstat(fd).st_size))
     finally:
         os.close(fd)
 
@@ -161,7 +161,14 @@ def walk_problem(directory: str, max_dbs: int, databases: list[bytes]) -> str | 
     """
     argv = [sys.executable, "-c", _WALK, directory, str(max_dbs), *(name.hex() for name in databases)]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=WALK_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=WALK_TIMEOUT_S,
+            check=False,
+        )
     except OSError as exc:
         raise CheckNotRun(f"cannot start {sys.executable!r}: {exc}") from exc
     except subprocess.TimeoutExpired as exc:
