@@ -24,6 +24,11 @@ Measured cost at open: the header check ~0.1 ms; the walk a Python start plus on
 the index, 0.25 s for an index of 1,000,000 rows (146 MiB, in the page cache), where the
 tier's own load of it takes 0.21 s.
 
+Growing files need no such care: LMDB writes ``data.mdb`` with ``pwrite`` (the store never
+sets ``writemap``, which would make its map writable and bring the fault back) and the rows
+file is written with ``pwritev``, so a disk that fills while they grow fails that commit
+with ``ENOSPC`` (a dropped batch, counted), measured on a full tmpfs.
+
 Not covered: LMDB's free-page list is not walked (py-lmdb cannot reach it); its root page
 is bounds-checked with the rest of the meta. A write transaction that meets garbage there
 may still crash.
