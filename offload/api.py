@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from offload.config import KVTierConfig, default_config, load_config
+from offload.config import ConfigError, KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
 from offload.manager import LookupResult
 from offload.row_layout import RowConverter, RowLayout
 from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
+from tiers.base import TierError
 from tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,10 @@ class Offloader:
             convert_on_load = self.caches.device.type != "cpu"
         host_cfg = config.host
         row_bytes = [self.caches.row_bytes(g) * blocks_per_key for g in range(self.caches.num_groups)]
-        self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
+        try:
+            self.host = HostTier(row_bytes, host_cfg.capacity_bytes)
+        except TierError as exc:  # more than this process may allocate now
+            raise ConfigError(f"tiers[0].capacity = {host_cfg.capacity_bytes}: {exc}") from exc
         self.manager = build_manager(
             config,
             self.host,
@@ -90,9 +94,14 @@ class Offloader:
             converter=converter,
             convert_on_landing=not convert_on_load,
         )
-        self.worker = OffloadingWorker(
-            self.caches, self.host, blocks_per_row=blocks_per_key, converter=converter
-        )
+        try:
+            self.worker = OffloadingWorker(
+                self.caches, self.host, blocks_per_row=blocks_per_key, converter=converter
+            )
+        except BaseException:
+            self.manager.shutdown()  # the tier engine's thread and loop, the tiers' files
+            self.host.close()
+            raise
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, tuple[bool, list[OffloadKey]]] = {}
 
@@ -199,10 +208,16 @@ class Offloader:
         return render(manager_families(self.manager, row_bytes))
 
     def close(self) -> None:
-        self.wait()
-        self.worker.shutdown()
-        self.manager.shutdown()
-        self.host.close()
+        """Finish the jobs in flight, then release everything this object started: the copy
+        threads, the tier engine's thread and event loop, the lower tiers' files, locks and
+        connections, and the host tier's memory. Measured: file descriptors and threads
+        flat over 100 open/close cycles with host and disk tiers (``tests/offload/test_api.py``)."""
+        try:
+            self.wait()
+        finally:
+            self.worker.shutdown()
+            self.manager.shutdown()
+            self.host.close()
 
     def __enter__(self) -> Offloader:
         return self

@@ -28,10 +28,22 @@
     metadata_server = "P2PHANDSHAKE"  # or "http://host:port/metadata", or an etcd address
     protocol = "tcp"         # or "rdma" (with device_name = "mlx5_0")
     local_hostname = "10.0.0.7"       # where other clients reach this one's memory
+    listen_interface = ""    # its listeners only on the interface of local_hostname ("*": all)
+
+Mooncake Store has no credentials: any client of the cluster reads, overwrites and removes
+any object, and reaches the host tier's memory through this client's listeners (``tiers.mooncake``):
+keep the cluster on a private network.
+
+Sizes are bytes or a number with a unit (``tiers.sizes``): ``KB``/``MB``/``GB``/``TB`` are
+decimal (``8GB`` = 8,000,000,000 B), ``KiB``/``MiB``/``GiB``/``TiB`` binary (``8GiB`` =
+8,589,934,592 B); at most 8 PiB. A host tier larger than the machine's memory is refused
+where it is allocated (``Offloader``: a ``ConfigError`` naming ``tiers[0].capacity``), not
+here: a configuration may be checked on another machine than the one that runs it.
 
 Everything is validated here into frozen dataclasses; the rest of kvtier never reads a
 raw dict. Unknown keys are errors (a typo must not silently fall back to a default), and
-every error is a ``ConfigError`` naming the key path and the value at fault.
+every error is a ``ConfigError`` naming the key path and the value at fault: a bad size,
+type or string (an empty path, a NUL byte), and a file that is not UTF-8 TOML.
 """
 
 from __future__ import annotations
@@ -83,6 +95,7 @@ class MooncakeConfig:
     protocol: str = "tcp"
     device_name: str = ""
     local_hostname: str = "127.0.0.1"
+    listen_interface: str = ""  # "": the interface holding local_hostname; "*": every interface
     replicas: int = 1
 
 
@@ -146,6 +159,7 @@ _KIND_KEYS = {
         "protocol",
         "device_name",
         "local_hostname",
+        "listen_interface",
         "replicas",
         "deadline_s",
         "lookup_wait_s",
@@ -156,6 +170,7 @@ _KIND_KEYS = {
 }
 _KIND_DEFAULT_ADMISSION = {"host": "all", "disk": "seen-twice", "remote": "all", "mooncake": "all"}
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+MAX_REPLICAS = 64  # more copies than a cluster has machines is a typo (and overflows the store's int)
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
@@ -164,9 +179,15 @@ def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
         return parse_config(source)
     path = Path(source)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not a TOML file: byte {exc.start} (0x{raw[exc.start]:02x}) is not UTF-8 text"
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -175,6 +196,8 @@ def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
 
 
 def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"the configuration = {data!r}: expected a table of 'tiers' and 'namespace'")
     _reject_unknown(data, {"tiers", "namespace"}, "")
     tiers_raw = data.get("tiers")
     if not isinstance(tiers_raw, list) or not tiers_raw:
@@ -232,7 +255,7 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
     )
     if kind == "disk":
         path = raw.get("path")
-        if not isinstance(path, str) or not path:
+        if not isinstance(path, str) or not path or "\0" in path:
             raise ConfigError(f"{where}.path = {path!r}: the disk tier needs a directory path")
         tier = replace(tier, path=path)
     if kind == "remote":
@@ -247,7 +270,9 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
         if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 2.0:
             raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 2]")
         token_file = raw.get("token_file")
-        if token_file is not None and not isinstance(token_file, str):
+        if token_file is not None and (
+            not isinstance(token_file, str) or not token_file or "\0" in token_file
+        ):
             raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
         peer_tenant = raw.get("peer_tenant", "default")
         if not isinstance(peer_tenant, str) or not valid_tenant(peer_tenant):
@@ -278,6 +303,7 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
 
 def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> TierConfig:
     """The Mooncake keys; also checks that the Mooncake client imports (else: how to install it)."""
+    from tiers import mooncake_listen
     from tiers.base import TierError
     from tiers.mooncake import MIN_SEGMENT_BYTES, store_class
 
@@ -292,11 +318,21 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
             "must be at least 16MiB"
         )
     replicas = raw.get("replicas", 1)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"{where}.replicas = {replicas!r}: expected a positive number of copies")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(
+            f"{where}.replicas = {replicas!r}: expected a number of copies in [1, {MAX_REPLICAS}]"
+        )
     deadline = raw.get("deadline_s", 2.0)
     if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 30:
         raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 30]")
+    local_hostname = _string(raw, "local_hostname", prefix, "127.0.0.1")
+    problem = mooncake_listen.check_hostname(local_hostname)
+    if problem:
+        raise ConfigError(f"{where}.local_hostname = {local_hostname!r}: {problem}")
+    listen_interface = _string(raw, "listen_interface", prefix, "")
+    problem = mooncake_listen.check_listen_interface(listen_interface)
+    if problem:
+        raise ConfigError(f"{where}.listen_interface = {listen_interface!r}: {problem}")
     metadata = _string(raw, "metadata_server", prefix, "P2PHANDSHAKE")
     if not metadata:
         raise ConfigError(f"{where}.metadata_server = '': expected 'P2PHANDSHAKE' or the server's URL")
@@ -306,7 +342,8 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
         local_buffer_bytes=parse_size(raw.get("local_buffer", "16MiB"), f"{where}.local_buffer"),
         protocol=_choice(raw, "protocol", prefix, MOONCAKE_PROTOCOLS, "tcp"),
         device_name=_string(raw, "device_name", prefix, ""),
-        local_hostname=_string(raw, "local_hostname", prefix, "127.0.0.1"),
+        local_hostname=local_hostname,
+        listen_interface=listen_interface,
         replicas=replicas,
     )
     try:
@@ -336,6 +373,8 @@ def _string(raw: Mapping[str, Any], key: str, prefix: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str):
         raise ConfigError(f"{prefix}{key} = {value!r}: expected a string")
+    if "\0" in value:  # C code would read a shorter string than the one configured
+        raise ConfigError(f"{prefix}{key} = {value!r}: a NUL character is not allowed")
     return value
 
 

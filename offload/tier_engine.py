@@ -97,7 +97,7 @@ class TierEngine:
         self._results: collections.deque[OpResult] = collections.deque()
         self._idle = threading.Condition()
         self._loop = _new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-tiers", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="kvtier-tiers", daemon=True)
         self._started = False
 
     def start(self, host_buffer: memoryview | None) -> None:
@@ -150,7 +150,11 @@ class TierEngine:
             return self._idle.wait_for(lambda: self.inflight() == 0, timeout)
 
     def close(self) -> None:
+        """Close every tier, then stop the loop and release it (its thread, its default
+        executor's threads, and its descriptors: an epoll, an eventfd, a pipe, an io_uring)."""
         if not self._started:
+            if not self._loop.is_closed() and not self._thread.is_alive():
+                self._loop.close()  # never started (or a failed start already stopped it)
             return
         self.wait_idle(timeout=self.deadline_s * 2)
         for tier in self.tiers:
@@ -160,7 +164,32 @@ class TierEngine:
                 log.warning("closing the %s tier failed: %r", tier.kind, exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            log.warning("the tier engine's loop did not stop in 5 s; it is left running")
         self._started = False
+
+    def _run_loop(self) -> None:
+        """The loop thread: run until ``close`` stops the loop, then cancel what is left (an
+        operation abandoned past the safety deadline), shut the default executor down and
+        close the loop, here, where the loop belongs."""
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            except Exception as exc:  # the loop still closes
+                log.warning("stopping the tier engine's loop: %r", exc)
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
 
     def _submit(
         self,

@@ -100,6 +100,7 @@ def build_tier(
             protocol=settings.protocol,
             device_name=settings.device_name,
             local_hostname=settings.local_hostname,
+            listen_interface=settings.listen_interface,
             replicas=settings.replicas,
             deadline_s=tier.deadline_s,
             readable_layouts=readable_layouts,

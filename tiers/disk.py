@@ -37,7 +37,9 @@ are dropped and counted, nothing else changes. The LMDB index has a map of the s
 
 Restart: the index is read at ``open`` (no row is read), so a restart is warm, and the
 policy is re-populated in insertion order (hits are not persisted: that would cost a write
-per hit).
+per hit). A damaged index (cut short, garbage) is set aside and the tier starts empty with a
+warning; a file system too full to start LMDB is a ``TierError``; neither is ever a signal
+(``lmdb_check``). A file system with less room than the files' limit is warned of at open.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from policies import make_policy
 from tiers.base import LowerTier, Row, TierError
 from tiers.dir_lock import DirLock
 from tiers.disk_index import DiskIndex
-from tiers.lmdb_store import LmdbStore, Read, ReadOutcome, entry_bytes
+from tiers.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
 from tiers.row_format import LAYOUT_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -201,6 +203,7 @@ class DiskTier(LowerTier):
                 self._foreign_bytes / _MiB,
             )
         self._shrink_to_capacity()
+        self._warn_if_short_of_space()
         log.info(
             "disk tier at %s: %d rows, %.1f of %.1f MiB, rows file up to %.1f MiB, sync=%s, eviction=%s",
             self.path,
@@ -226,6 +229,30 @@ class DiskTier(LowerTier):
             self._index.book([], [], victims)
             self._counters["evictions"] += len(victims)
         log.info("disk tier at %s: evicted %d rows down to the capacity", self.path, len(victims))
+
+    def _warn_if_short_of_space(self) -> None:
+        """Say at open, not at the first dropped batch, that the file system cannot hold the
+        tier's files at their limit: a full disk is then a run of dropped stores
+        (``write_errors``), never a crash, but the capacity configured is not what is had."""
+        try:
+            fs = os.statvfs(self.path)
+            held = sum(
+                os.stat(os.path.join(self.path, name)).st_blocks * 512
+                for name in os.listdir(self.path)
+                if name in DATA_FILES
+            )
+        except OSError:
+            return
+        room = fs.f_bavail * fs.f_frsize + held
+        wanted = self.file_limit + self._store.index_map_size
+        if room < wanted:
+            log.warning(
+                "disk tier at %s: the file system has room for %.1f MiB of this tier's files, which "
+                "may grow to %.1f MiB; batches that do not fit will be dropped (write_errors)",
+                self.path,
+                room / _MiB,
+                wanted / _MiB,
+            )
 
     async def close(self) -> None:
         """Wait for work in flight, then release LMDB and the directory lock."""

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from tiers.base import TierError
+
 log = logging.getLogger(__name__)
 
 
@@ -98,13 +100,26 @@ class HostTier:
                 f"host tier capacity {capacity_bytes} B holds no row: one slot across all groups "
                 f"needs {bytes_per_slot} B"
             )
+        memory = machine_memory_bytes()
+        if memory is not None and num_slots * bytes_per_slot > memory:
+            raise TierError(
+                f"host tier of {num_slots * bytes_per_slot} B: more than this machine's memory "
+                f"({memory / 2**30:.1f} GiB); it is allocated whole"
+            )
         self.row_bytes = list(row_bytes)
         self.num_slots = num_slots
         self.pinned = cuda_available() if pin is None else pin
         self.shm_path = shm_path
-        self.buffer, self.pinned = _allocate(
-            num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path, sharers=sharers
-        )
+        try:
+            self.buffer, self.pinned = _allocate(
+                num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path, sharers=sharers
+            )
+        except (RuntimeError, MemoryError, OSError) as exc:  # torch's, CUDA's or the file's own
+            raise TierError(
+                f"host tier: cannot allocate {num_slots * bytes_per_slot} B"
+                f"{' pinned' if self.pinned else ''}{f' at {shm_path}' if shm_path else ''}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
         self.slabs: list[torch.Tensor] = []
         offset = 0
         for size in row_bytes:
@@ -137,6 +152,25 @@ class HostTier:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         if unlink and self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's memory, or its cgroup's memory limit where lower; ``None`` if unknown.
+
+    The host tier is allocated whole (and pinned where CUDA is), so one larger than this can
+    never be had; checked before torch is asked, whose error would name no size or key."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit_file:  # cgroup v2, as the container sees it
+            limit = limit_file.read().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit():
+        memory = min(memory, int(limit))
+    return memory
 
 
 PINNABLE_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})

@@ -59,6 +59,7 @@ from enum import Enum
 import lmdb
 import xxhash
 
+from tiers import lmdb_check
 from tiers.base import TierError
 from tiers.buffer_address import buffer_address
 from tiers.fast_checksum import checksum_at
@@ -79,6 +80,8 @@ _ENTRY = struct.Struct("<QQQH")  # write id, insertion sequence number, row leng
 _RUN = struct.Struct("<QI")  # first page, page count
 _NODE_BYTES = 8 + 2  # LMDB's node header and its slot in the page's index
 _OLD_DBS = (b"rows", b"index")  # the format that kept rows inside LMDB
+_MAX_DBS = len(_OLD_DBS) + 1
+_MAX_READERS = 126  # with LMDB's lock header, a lock file of two 4 KiB pages
 _ZEROS = bytes(PAGE)
 READ_PIECE_BYTES = 8 << 20
 """About what one coalesced ``preadv`` reads (``LmdbStore.read_into``): a piece takes rows
@@ -200,6 +203,21 @@ class LmdbStore:
     # -- open ----------------------------------------------------------------------------
 
     def open(self) -> None:
+        """Open (or create) the index and the rows file; ``TierError`` if they cannot be used.
+
+        A damaged index (``lmdb_check``: cut short, garbage, refused by LMDB) is set aside as
+        ``data.mdb.corrupt`` and the tier starts empty, with a warning: it is a cache, and
+        mapping a damaged file would kill the process with SIGBUS. A file system with no room
+        for LMDB's lock file is a ``TierError`` (LMDB would fault writing it through its map).
+        """
+        try:
+            lmdb_check.reserve_lock_file(self.path, _MAX_READERS)
+        except OSError as exc:
+            raise TierError(
+                f"disk tier at {self.path!r}: cannot reserve LMDB's lock file: {exc}"
+                + (" (the file system is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+            ) from exc
+        self._set_aside_if_damaged()
         try:
             self._env = lmdb.open(
                 self.path,
@@ -207,8 +225,8 @@ class LmdbStore:
                 subdir=True,
                 sync=self.sync,
                 metasync=self.sync,
-                max_dbs=len(_OLD_DBS) + 1,
-                max_readers=126,
+                max_dbs=_MAX_DBS,
+                max_readers=_MAX_READERS,
             )
             self._drop_old_format()
             self._db = self._env.open_db(INDEX_DB)
@@ -225,6 +243,38 @@ class LmdbStore:
             self.close()
             raise TierError(f"disk tier at {self.path!r}: cannot open {rows_path!r}: {exc}") from exc
         self._load()
+
+    def _set_aside_if_damaged(self) -> None:
+        """Move a damaged ``data.mdb`` to ``data.mdb.corrupt`` (replacing an older one)."""
+        data = os.path.join(self.path, LMDB_FILE)
+        try:
+            problem = lmdb_check.header_problem(data)
+            if problem is None and os.path.exists(data) and os.path.getsize(data):
+                problem = lmdb_check.walk_problem(self.path, _MAX_DBS, [INDEX_DB, *_OLD_DBS])
+        except lmdb_check.CheckNotRun as exc:
+            # The header is sound; only the walk's own process failed to start (no usable
+            # ``sys.executable``, say): go on as before the walk existed.
+            log.warning("disk tier at %s: could not walk the LMDB index: %s", self.path, exc)
+            return
+        except OSError as exc:  # the file cannot be read, or the walk hung on the device
+            raise TierError(f"disk tier at {self.path!r}: cannot check the LMDB index: {exc}") from exc
+        if problem is None:
+            return
+        aside = data + ".corrupt"
+        try:
+            os.replace(data, aside)
+        except OSError as exc:
+            raise TierError(
+                f"disk tier at {self.path!r}: the LMDB index is damaged ({problem}) and cannot be "
+                f"moved aside: {exc}"
+            ) from exc
+        log.warning(
+            "disk tier at %s: the LMDB index is damaged (%s); moved to %s, starting empty "
+            "(the rows stored before are dropped)",
+            self.path,
+            problem,
+            aside,
+        )
 
     def _drop_old_format(self) -> None:
         """Rows stored inside LMDB by an earlier version: deleted (a cache, not a store)."""

@@ -50,6 +50,16 @@ and ~11 s measured; up to the 30 s RPC timeout for a hung one), which would stop
 thread of the process. So ``open`` knocks on the master's port first (no master: a
 ``TierError`` at once), and ``close`` leaves a client whose master is down as it is.
 
+No credentials. Mooncake Store authenticates nobody: any client that reaches the master
+reads, overwrites and removes any object (``remove_by_regex`` included), kvtier's rows of
+every namespace among them; the namespace keeps tenants apart only from each other's
+*lookups*. And the transfer engine in this process listens on every interface, serving
+reads and writes of the memory registered with it (the segment, and the whole host tier)
+to whoever connects (``tiers.mooncake_listen``). So the tier ties those listeners to one interface after
+``setup`` (``listen_interface``: by default the one holding ``local_hostname``, the
+loopback unless configured) and a cluster must run on a private network: the tier's
+integrity checks (header, checksum) catch corrupted rows, not a hostile client.
+
 Threads: the coroutines run on the tier engine's event loop; the store's calls run on
 ``threads`` daemon threads of this tier (daemon, so a call stuck on a hung master never
 holds up the process's exit). ``may_contain`` and ``stats`` only read a dict and ints.
@@ -71,6 +81,7 @@ from typing import Any
 
 import numpy as np
 
+from tiers import mooncake_listen
 from tiers.base import LowerTier, Row, TierError
 from tiers.fast_checksum import checksum_at
 from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
@@ -208,9 +219,13 @@ class MooncakeTier(LowerTier):
     ``local_buffer_bytes``: the client's own transfer buffer (rows bypass it; at least 16 MiB
     is what the store allocates by default). ``protocol``: ``"tcp"`` or ``"rdma"`` (with
     ``device_name``). ``local_hostname``: the address other clients reach this one's segment
-    at. ``replicas``: copies of each object. ``deadline_s``: the most a call waits (see the
-    module docstring for gets). ``threads``: concurrent store calls. ``max_rows_in_flight``:
-    header slots, i.e. rows in calls at once (beyond it rows are dropped or missed).
+    at. ``listen_interface``: the interface (a name, or an address it holds) that this
+    client's listeners accept connections on; ``""``: the one holding ``local_hostname``;
+    ``"*"``: every interface, Mooncake's own behaviour (see the module docstring: reaching
+    them is reaching the host tier's memory). ``replicas``: copies of each object.
+    ``deadline_s``: the most a call waits (see the module docstring for gets). ``threads``:
+    concurrent store calls. ``max_rows_in_flight``: header slots, i.e. rows in calls at once
+    (beyond it rows are dropped or missed).
     """
 
     kind = "mooncake"
@@ -228,6 +243,7 @@ class MooncakeTier(LowerTier):
         protocol: str = "tcp",
         device_name: str = "",
         local_hostname: str = "127.0.0.1",
+        listen_interface: str = "",
         replicas: int = 1,
         deadline_s: float = 2.0,
         open_timeout_s: float = 15.0,
@@ -244,6 +260,9 @@ class MooncakeTier(LowerTier):
             raise ValueError(f"segment_bytes = {segment_bytes}: the store needs 0 or at least 16 MiB")
         if not deadline_s > 0 or threads < 1 or replicas < 1 or max_rows_in_flight < 1:
             raise ValueError("deadline_s, threads, replicas and max_rows_in_flight must be positive")
+        problem = mooncake_listen.check_listen_interface(listen_interface)
+        if problem:
+            raise ValueError(f"listen_interface = {listen_interface!r}: {problem}")
         self._store_class = store_class()  # unavailable: a clear error now, not at open
         self.master = master
         self.namespace = bytes(namespace)
@@ -255,6 +274,8 @@ class MooncakeTier(LowerTier):
         self.protocol = protocol
         self.device_name = device_name
         self.local_hostname = local_hostname
+        self.listen_interface = listen_interface
+        self.listening_on = ""  # the interface the listeners were tied to, at open
         self.replicas = replicas
         self.deadline_s = deadline_s
         self.open_timeout_s = open_timeout_s
@@ -323,6 +344,17 @@ class MooncakeTier(LowerTier):
     def _setup_blocking(self, store: Any) -> None:
         from mooncake.store import ReplicateConfig
 
+        interface = ""
+        if self.listen_interface != mooncake_listen.ANY_INTERFACE:
+            try:  # before setup: a wrong interface must not leave a client joined
+                interface = mooncake_listen.interface_for(self.listen_interface or self.local_hostname)
+            except OSError as exc:
+                raise TierError(
+                    f"mooncake tier: no interface to keep its listeners on "
+                    f"({'listen_interface' if self.listen_interface else 'local_hostname'}: {exc}); "
+                    "set listen_interface to one, or to '*' for every interface"
+                ) from exc
+        before = mooncake_listen.listening_sockets()
         rc = store.setup(
             self.local_hostname,
             self.metadata_server,
@@ -337,6 +369,7 @@ class MooncakeTier(LowerTier):
                 f"mooncake tier: setup with master {self.master}, metadata {self.metadata_server!r}, "
                 f"protocol {self.protocol!r} failed ({rc}); is the master running?"
             )
+        self._restrict_listeners(store, before, interface)
         assert self._headers is not None
         for addr, size in (
             (self._host_addr, self._host_len),
@@ -348,6 +381,28 @@ class MooncakeTier(LowerTier):
                 raise TierError(f"mooncake tier: registering {size} bytes of memory failed ({rc})")
         self._put_config = ReplicateConfig()
         self._put_config.replica_num = self.replicas
+
+    def _restrict_listeners(self, store: Any, before: dict[int, int], interface: str) -> None:
+        """Tie the listeners ``setup`` opened to ``interface`` (``"": leave them on every one)."""
+        fds = mooncake_listen.new_listeners(before)
+        if not interface:
+            log.warning(
+                "mooncake tier: listen_interface = '*': this client's listeners accept connections "
+                "on every interface, and whoever connects reads and writes the host tier's memory"
+            )
+            return
+        try:
+            ports = mooncake_listen.bind_to_interface(fds, interface)
+        except OSError as exc:
+            store.close()
+            raise TierError(
+                f"mooncake tier: cannot keep its listeners on interface {interface!r}: {exc}; "
+                "listen_interface = '*' leaves them on every interface (firewall them then)"
+            ) from exc
+        if not ports:
+            log.warning("mooncake tier: setup opened no listener to keep on %s", interface)
+        self.listening_on = interface
+        log.info("mooncake tier: listeners on ports %s accept connections on %s only", ports, interface)
 
     async def close(self) -> None:
         """Leave the store, waiting at most ``_CLOSE_S`` (it then finishes on its thread).

@@ -197,3 +197,81 @@ def test_remote_peer_tenant_is_checked_and_defaults_to_default():
         base["tiers"][1]["peer_tenant"] = bad
         with pytest.raises(ConfigError, match="peer_tenant"):
             parse_config(base)
+
+
+def test_decimal_and_binary_units_are_what_their_names_say():
+    assert parse_size("8GB", "x") == 8_000_000_000
+    assert parse_size("8GiB", "x") == 8_589_934_592
+    assert parse_size("8gib", "x") == parse_size("8GiB", "x")
+
+
+@pytest.mark.parametrize(
+    ("capacity", "message"),
+    [
+        ("99999999TiB", r"larger than 8 PiB"),
+        (2**70, r"larger than 8 PiB"),
+        ("9" * 400 + "B", r"larger than 8 PiB"),  # a float would be inf, int(inf) an OverflowError
+        (1.5, r"expected a size"),
+        (["8GiB"], r"expected a size"),
+        ({"size": 1}, r"expected a size"),
+        ("8 GiB GiB", r"not a size"),
+    ],
+)
+def test_a_size_no_tier_can_have_or_of_the_wrong_type_names_its_key(capacity, message):
+    tiers = [{"kind": "host", "capacity": "1MiB"}, {"kind": "disk", "path": "/x", "capacity": capacity}]
+    with pytest.raises(ConfigError, match=rf"tiers\[1\]\.capacity = .*{message}"):
+        parse_config({"tiers": tiers})
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ([{"kind": "host", "capacity": "1MiB"}], r"the configuration = .*expected a table"),
+        ({"tiers": {"kind": "host", "capacity": "1MiB"}}, r"tiers = .*expected a non-empty list"),
+        ({"tiers": [1]}, r"tiers\[0\] = 1: expected a table"),
+        ({"tiers": ["host"]}, r"tiers\[0\] = 'host': expected a table"),
+        ({"tiers": [{"kind": ["host"], "capacity": 1}]}, r"tiers\[0\]\.kind = \['host'\]"),
+        ({"tiers": [{"kind": "host", "capacity": "1MiB", "eviction": 5}]}, r"tiers\[0\]\.eviction = 5"),
+        ({"tiers": [{"kind": "host", "capacity": "1MiB"}], "namespace": "m"}, r"namespace = 'm'"),
+        ({"tiers": [{"kind": "host", "capacity": "1MiB"}], "namespace": {"model": 7}}, r"namespace\.model"),
+        (
+            {"tiers": [{"kind": "host", "capacity": "1MiB"}], "namespace": {"tenant": "a\0b"}},
+            r"namespace\.tenant = 'a\\x00b': a NUL character",
+        ),
+        (
+            {"tiers": [{"kind": "host", "capacity": "1MiB"}, {"kind": "disk", "capacity": 1, "path": ""}]},
+            r"tiers\[1\]\.path = '': the disk tier needs a directory path",
+        ),
+        (
+            {
+                "tiers": [
+                    {"kind": "host", "capacity": "1MiB"},
+                    {"kind": "disk", "capacity": 1, "path": "/a\0"},
+                ]
+            },
+            r"tiers\[1\]\.path = '/a\\x00'",
+        ),
+        (
+            {"tiers": [{"kind": "host", "capacity": "1MiB"}, {"kind": "disk", "capacity": 1, "path": 5}]},
+            r"tiers\[1\]\.path = 5",
+        ),
+    ],
+)
+def test_tables_of_the_wrong_shape_or_type_name_their_key(config, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config)
+
+
+def test_a_binary_file_is_a_config_error_naming_the_file_and_byte(tmp_path):
+    binary = tmp_path / "tiers.toml"
+    binary.write_bytes(b'[[tiers]]\nkind = "host"\n\xff\xfe\x00\x81garbage')
+    with pytest.raises(ConfigError, match=r"tiers\.toml: not a TOML file: byte 24 \(0xff\) is not UTF-8"):
+        load_config(binary)
+    binary.write_bytes(bytes(range(256)) * 4)  # what `cp /bin/ls tiers.toml` gives, in short
+    with pytest.raises(ConfigError, match=r"tiers\.toml: not a TOML file"):
+        load_config(binary)
+    binary.write_bytes(b'[[tiers]]\nkind = "host\x00"\n')  # UTF-8, but a NUL in TOML
+    with pytest.raises(ConfigError, match=r"tiers\.toml: not valid TOML"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path)  # a directory

@@ -88,3 +88,37 @@ def test_without_the_package_the_error_names_the_tier_and_the_install_line(monke
         parse_config({"tiers": tiers(master="127.0.0.1:50051")})
     # Nothing else needs it: a configuration without the tier is untouched.
     assert parse_config({"tiers": tiers(master="x")[:1]}).tiers[0].kind == "host"
+
+
+def test_listen_interface_reaches_the_tier():
+    pytest.importorskip("mooncake.store")
+    from offload.tiering import build_tier
+
+    for value in ("", "lo", "10.0.0.7", "*"):
+        tier = parse_config({"tiers": tiers(master="127.0.0.1:50051", listen_interface=value)}).tiers[1]
+        assert tier.mooncake is not None and tier.mooncake.listen_interface == value
+        built = build_tier(tier, b"n" * 16, b"L" * 16, 4096, frozenset())
+        assert built.listen_interface == value  # what open() ties the listeners to after setup
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"listen_interface": "0.0.0.0 "},
+            r"tiers\[1\]\.listen_interface = '0\.0\.0\.0 ': expected an interface",
+        ),
+        ({"listen_interface": "eth0/1"}, r"tiers\[1\]\.listen_interface = 'eth0/1'"),
+        ({"listen_interface": 0}, r"tiers\[1\]\.listen_interface = 0: expected a string"),
+        ({"listen_interface": "lo\0"}, r"tiers\[1\]\.listen_interface = 'lo\\x00': a NUL"),
+        ({"local_hostname": ""}, r"tiers\[1\]\.local_hostname = '': expected an IP address or a host name"),
+        ({"local_hostname": "a b"}, r"tiers\[1\]\.local_hostname = 'a b'"),
+        ({"local_hostname": "host:99999"}, r"tiers\[1\]\.local_hostname = 'host:99999': port"),
+        ({"replicas": 2**70}, r"tiers\[1\]\.replicas = \d+: expected a number of copies in \[1, 64\]"),
+        ({"local_buffer": "99999999TiB"}, r"tiers\[1\]\.local_buffer = '99999999TiB': .*8 PiB"),
+    ],
+)
+def test_bad_listener_and_address_values_name_their_key(keys, message):
+    pytest.importorskip("mooncake.store")
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"tiers": tiers(master="127.0.0.1:50051", **keys)})

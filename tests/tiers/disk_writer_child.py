@@ -8,6 +8,12 @@ was committed before the kill.
 ``hold PATH``: open a ``DiskTier`` at PATH, print ``ready``, and hold it until stdin closes
 (a real other process holding the directory lock).
 
+``open PATH``: open a ``DiskTier`` at PATH (whose files a test has damaged), read every key
+back, and print one JSON line: ``{"outcome": "error", "message": ...}`` for a ``TierError``,
+else ``{"outcome": "opened", "rows": ..., "hits": ..., "wrong": ..., "stored": ...}`` (``wrong``:
+rows served that are not the row stored; ``stored``: of 5 new rows put after the reads). A
+signal shows as the process's negative return code.
+
 Row contents are a function of the key alone (``expected_row``), so the parent can check
 every row it reads back without being told what was written.
 """
@@ -16,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import random
 import sys
 
 import uvloop
 
+from tiers.base import TierError
 from tiers.disk import DiskTier
 
 NAMESPACE = b"storm-namespace!"
@@ -69,11 +77,36 @@ async def hold(path: str) -> None:
     await tier.close()
 
 
+async def open_and_read(path: str) -> None:
+    tier = make_tier(path)
+    try:
+        await tier.open()
+    except TierError as exc:
+        print(json.dumps({"outcome": "error", "message": str(exc)}), flush=True)
+        return
+    try:
+        keys = [key_of(i) for i in range(KEYS)]
+        dsts = [(key, memoryview(bytearray(row_bytes(key)))) for key in keys]
+        found = await tier.get(dsts)
+        wrong = sum(
+            ok and bytes(dst) != expected_row(key) for (key, dst), ok in zip(dsts, found, strict=True)
+        )
+        rows = int(tier.stats()["rows"])
+        fresh = [key_of(KEYS + i) for i in range(5)]  # then the tier takes new rows (or drops them)
+        stored = sum(await tier.put([(key, memoryview(expected_row(key))) for key in fresh]))
+    finally:
+        await tier.close()
+    report = {"outcome": "opened", "rows": rows, "hits": sum(found), "wrong": wrong, "stored": stored}
+    print(json.dumps(report), flush=True)
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "storm":
         uvloop.run(storm(argv[1], argv[2], int(argv[3]), argv[4] == "1"))
     elif argv[0] == "hold":
         uvloop.run(hold(argv[1]))
+    elif argv[0] == "open":
+        uvloop.run(open_and_read(argv[1]))
     else:
         raise SystemExit(f"unknown mode {argv[0]!r}")
 

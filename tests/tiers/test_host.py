@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from tiers.host import HostTier, SlotAllocator
+from tiers.base import TierError
+from tiers.host import HostTier, SlotAllocator, machine_memory_bytes
 
 
 def test_allocator_lowest_first_all_or_nothing():
@@ -84,3 +85,24 @@ def test_a_shared_file_is_unlinked_once_every_sharer_has_mapped_it(tmp_path):
     assert int(second.row(0, 1)[0]) == int(third.row(0, 1)[-1]) == 7
     for tier in (first, second, third):
         tier.close(unlink=True)  # the owner's unlink finds nothing to remove: no error
+
+
+def test_a_host_tier_larger_than_the_machine_is_a_tier_error_before_torch_is_asked(monkeypatch):
+    memory = machine_memory_bytes()
+    assert memory is not None and memory > 1 << 30
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("torch was asked for the memory")
+
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    with pytest.raises(TierError, match=rf"host tier of {2 * memory} B: more than this machine's memory"):
+        HostTier([4096], 2 * memory, pin=False)
+
+
+def test_an_allocation_that_fails_is_a_tier_error_naming_the_size(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes.")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(TierError, match=r"host tier: cannot allocate 4096 B: DefaultCPUAllocator"):
+        HostTier([4096], 4096, pin=False)

@@ -1,0 +1,64 @@
+"""The tier engine's lifecycle: ``close`` leaves no loop, thread or descriptor behind."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from offload.tier_engine import TierEngine
+from tiers.base import LowerTier, Row, TierError
+
+
+class FakeTier(LowerTier):
+    kind = "fake"
+
+    def __init__(self, fail_open: bool = False) -> None:
+        self.fail_open = fail_open
+        self.closed = False
+
+    async def open(self, host_buffer: memoryview | None = None) -> None:
+        if self.fail_open:
+            raise TierError("cannot start")
+
+    def may_contain(self, key: bytes) -> bool:
+        return False
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [False] * len(keys)
+
+    async def put(self, rows: Sequence[Row]) -> list[bool]:
+        return [True] * len(rows)
+
+    async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
+        return [False] * len(rows)
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        return None
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_close_stops_and_closes_the_loop_and_ends_its_thread():
+    tier = FakeTier()
+    engine = TierEngine([tier])
+    engine.start(None)
+    assert engine.submit_put(1, 0, [(b"k", memoryview(b"row"))])
+    assert engine.wait_idle(5)
+    engine.close()
+    assert tier.closed and engine._loop.is_closed() and not engine._thread.is_alive()
+    engine.close()  # twice is harmless
+
+
+def test_an_engine_never_started_or_failing_to_start_closes_its_loop():
+    idle = TierEngine([FakeTier()])
+    idle.close()
+    assert idle._loop.is_closed()
+    failing = TierEngine([FakeTier(fail_open=True)])
+    with pytest.raises(TierError, match="cannot start"):
+        failing.start(None)
+    assert failing._loop.is_closed() and not failing._thread.is_alive()
