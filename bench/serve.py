@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.progress import Progress
 from bench.report import write_json
-from bench.serve_workloads import WORKLOADS, Workload, build, seen_before
+from bench.serve_workloads import WORKLOADS, Workload, build, seen_before, warm_up
 from bench.ttft import percentile
 
 CONFIGS = {
@@ -156,6 +156,7 @@ def run_row(
             enforce_eager=sizes.enforce_eager,
         )
         engine = stack.enter_context(EngineProcess(spec, rowdir / "engine.log"))
+        engine.generate(warm_up(seed=-1), max_tokens=2)  # tokens no workload holds
         done[0] += 1
         progress(done[0])
         row: dict[str, Any] = {"start_s": engine.start_s, "workloads": {}}
@@ -171,7 +172,8 @@ def run_row(
                 steps += answer["steps"]
                 waited += answer["steps_waiting_on_loads"]
                 wall += answer["wall_s"]
-            after = _loaded(engine.kvtier_stats())
+            stats = engine.kvtier_stats()
+            after = _loaded(stats)
             rows = {tier: after.get(tier, 0) - before.get(tier, 0) for tier in after}
             row["workloads"][workload.name] = {
                 "outputs": [asdict(o) for o in outputs],
@@ -179,6 +181,7 @@ def run_row(
                 "steps_waiting_on_loads": waited,
                 "wall_s": wall,
                 "loaded_rows_by_tier": {tier: n for tier, n in rows.items() if n},
+                "kvtier_stats": stats,  # cumulative over the row's workloads so far
             }
             done[0] += 1
             progress(done[0])
@@ -440,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         "figures": figures,
         "targets": checks,
         "engine_start_s": {c: raw[c]["start_s"] for c in args.rows},
+        "kvtier_stats": {
+            c: {w: run["kvtier_stats"] for w, run in raw[c]["workloads"].items()} for c in args.rows
+        },
         "requests": {
             c: {
                 w: [

@@ -91,8 +91,8 @@ def doc_qa(
 
 def multi_turn(
     seed: int = 0,
-    sessions: int = 12,
-    tokens_per_trace_block: int = 128,
+    sessions: int = 32,
+    tokens_per_trace_block: int = 64,
     max_prompt_tokens: int = 4000,
     max_tokens: int = 16,
 ) -> Workload:
@@ -164,11 +164,18 @@ def no_reuse(seed: int = 0, prompts: int = 6, prompt_tokens: int = 2000, max_tok
 WORKLOADS = {"doc-qa": doc_qa, "multi-turn": multi_turn, "agentic": agentic, "no-reuse": no_reuse}
 SIZE_KEYS = {
     "doc-qa": ("questions", 24),
-    "multi-turn": ("sessions", 12),
+    "multi-turn": ("sessions", 32),
     "agentic": ("concurrent", 8),
     "no-reuse": ("prompts", 6),
 }
 """The argument ``--scale`` multiplies in each workload, and its default."""
+
+
+def warm_up(seed: int) -> list[list[int]]:
+    """Prompts an engine computes once before it is timed: its first prefills of each size
+    are slow (kernels built, memory touched), and no row should pay that in its figures."""
+    tokens = _Tokens(seed)
+    return [tokens.new(n) for n in (3000, 1000, 200)]
 
 
 def build(name: str, seed: int, scale: float = 1.0) -> Workload:

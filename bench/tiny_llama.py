@@ -24,6 +24,7 @@ class TinyLlama:
     vocab: int = 32000
     max_positions: int = 16384
     seed: int = 0
+    sliding_window: int | None = None  # every other layer attends only this far back (a hybrid model)
 
     @property
     def name(self) -> str:
@@ -50,6 +51,12 @@ def write_model(root: str | Path, model: TinyLlama = TinyLlama()) -> Path:
         max_position_embeddings=model.max_positions,
         torch_dtype="bfloat16",
     )
+    if model.sliding_window is not None:
+        # vLLM's Llama reads these: sliding-window layers between full-attention ones.
+        config.sliding_window = model.sliding_window
+        config.layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(model.layers)
+        ]
     staging = path.with_name(path.name + ".partial")
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(staging)
     staging.rename(path)

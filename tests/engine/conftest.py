@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from bench.tiny_llama import write_model
+from bench.tiny_llama import TinyLlama, write_model
 
 
 def _cpu_engine_missing() -> str | None:
@@ -47,6 +47,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_model(tmp_path_factory.mktemp("models")))
 
 
+SLIDING_WINDOW = 256
+
+
+@pytest.fixture(scope="session")
+def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same model with every other layer attending only ``SLIDING_WINDOW`` tokens back:
+    vLLM gives it two KV-cache groups (full attention, sliding window)."""
+    return str(write_model(tmp_path_factory.mktemp("models"), TinyLlama(sliding_window=SLIDING_WINDOW)))
+
+
 def document(seed: int, length: int) -> list[int]:
     """A prompt of ``length`` random token ids (a "document"), the same for the same seed."""
     rng = random.Random(seed)
@@ -64,7 +74,8 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def make_engine(model_dir: str, shm_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """``make_engine(kvtier_config=..., **spec)``: a started ``EngineProcess``, closed at the end."""
+    """``make_engine(kvtier_config=..., **spec)``: a started ``EngineProcess``, closed at the end
+    (``model_dir=`` another model's folder)."""
     from bench.vllm_engine import EngineProcess, EngineSpec
 
     engines: list[EngineProcess] = []
@@ -83,9 +94,8 @@ def make_engine(model_dir: str, shm_dir: Path, tmp_path: Path) -> Iterator[Calla
             }
         spec.setdefault("device_blocks", 80)  # 2,560 tokens: less than two documents
         spec.setdefault("max_model_len", 2048)
-        engine = EngineProcess(
-            EngineSpec(model_dir, kvtier=extra, **spec), tmp_path / f"engine-{len(engines)}.log"
-        )
+        spec.setdefault("model_dir", model_dir)
+        engine = EngineProcess(EngineSpec(kvtier=extra, **spec), tmp_path / f"engine-{len(engines)}.log")
         engines.append(engine)
         return engine
 

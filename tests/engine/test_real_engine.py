@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import document
+from tests.engine.conftest import SLIDING_WINDOW, document
 
 BLOCK = 32
 DOC = document(1, 1200)
@@ -215,3 +215,28 @@ def test_a_killed_engine_leaves_no_shared_memory(make_engine, shm_dir):
     assert engine.generate([DOC[:100]])[0].tokens
     assert list(shm_dir.iterdir()) == []
     engine.kill()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_hybrid_model_with_sliding_window_layers_comes_back_exact(
+    kind, make_engine, hybrid_model_dir, tmp_path, request
+):
+    """Two KV-cache groups (full attention, a 256-token sliding window): kvtier keeps a row per
+    group and block, and a hit loads the full group's whole prefix but the sliding group's
+    window only, as vLLM asks."""
+    engine = make_engine(
+        model_dir=hybrid_model_dir, kvtier_config=chain(kind, tmp_path, request), device_blocks=200
+    )
+    _cold, reference = cold_and_reference(engine)
+    if kind != "host":
+        wait_spilled(engine, FULL_BLOCKS)
+    assert engine.reset_prefix_cache(connector=kind != "host")
+
+    again = engine.generate([DOC])[0]
+
+    assert again.external_cached_tokens == FULL_BLOCKS * BLOCK
+    assert_exact(again, reference)
+    loaded = engine.kvtier_stats()["loaded_rows_by_tier"][kind]
+    window_blocks = SLIDING_WINDOW // BLOCK
+    assert FULL_BLOCKS + window_blocks <= loaded < 2 * FULL_BLOCKS
+    assert_another_document_differs(engine, reference)
