@@ -67,9 +67,9 @@ def _closed_loop(prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 def doc_qa(
     seed: int = 0,
-    documents: int = 8,
+    documents: int = 6,
     doc_tokens: int = 3000,
-    questions: int = 24,
+    questions: int = 72,
     question_tokens: int = 32,
     zipf_s: float = 1.0,
     max_tokens: int = 16,
@@ -163,7 +163,7 @@ def no_reuse(seed: int = 0, prompts: int = 6, prompt_tokens: int = 2000, max_tok
 
 WORKLOADS = {"doc-qa": doc_qa, "multi-turn": multi_turn, "agentic": agentic, "no-reuse": no_reuse}
 SIZE_KEYS = {
-    "doc-qa": ("questions", 24),
+    "doc-qa": ("questions", 72),
     "multi-turn": ("sessions", 32),
     "agentic": ("concurrent", 8),
     "no-reuse": ("prompts", 6),

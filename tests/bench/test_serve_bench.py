@@ -27,7 +27,7 @@ def test_workloads_are_deterministic_and_share_no_prefix_with_each_other():
 
 def test_scale_multiplies_the_request_count_only():
     small, large = build("doc-qa", 0, scale=0.5), build("doc-qa", 0, scale=2.0)
-    assert (len(small.requests), len(large.requests)) == (12, 48)
+    assert (len(small.requests), len(large.requests)) == (36, 144)
     assert {len(r["prompt"]) for r in small.requests} == {len(r["prompt"]) for r in large.requests}
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         build("chat", 0)
