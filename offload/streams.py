@@ -77,6 +77,18 @@ class _FutureCompletion(Completion):
         return 0.0 if self._future.exception() else self._future.result()
 
 
+def single_threaded_torch() -> None:
+    """Run this thread's torch ops on this thread alone (no OpenMP team of its own).
+
+    Through ``torch._C``: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op
+    once it has bound its OpenMP threads to the cores, and a copy thread left at the
+    default then starts a second team on the same cores: the engine's prefill ran ~2x
+    slower whenever kvtier copied (measured with ``kvtier bench serve``'s no-reuse
+    workload). The setting is per thread under OpenMP: the engine's own threads keep theirs.
+    """
+    torch._C.set_num_threads(1)
+
+
 class ThreadCopyStream(CopyStream):
     """CPU copies: jobs in submission order, each job's tasks spread over a thread pool.
 
@@ -87,12 +99,12 @@ class ThreadCopyStream(CopyStream):
 
     def __init__(self, threads: int | None = None, name: str = "kvtier-copy") -> None:
         self.parallelism = threads or torch.get_num_threads()
-        self._dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-dispatch")
+        # The dispatcher runs one-task jobs itself: single-threaded too.
+        self._dispatcher = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{name}-dispatch", initializer=single_threaded_torch
+        )
         self._pool = ThreadPoolExecutor(
-            max_workers=self.parallelism,
-            thread_name_prefix=name,
-            initializer=torch.set_num_threads,
-            initargs=(1,),
+            max_workers=self.parallelism, thread_name_prefix=name, initializer=single_threaded_torch
         )
 
     def submit(self, tasks: Sequence[Task]) -> Completion:

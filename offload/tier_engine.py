@@ -23,11 +23,13 @@ import enum
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 from offload.keys import key_group
 from offload.row_layout import RowConverter
+from offload.streams import single_threaded_torch
 from tiers.base import LowerTier, Row, TierError
 
 log = logging.getLogger(__name__)
@@ -174,6 +176,12 @@ class TierEngine:
         close the loop, here, where the loop belongs."""
         loop = self._loop
         asyncio.set_event_loop(loop)
+        # Rows converted on landing run torch ops here and on the default executor: never
+        # with an OpenMP team of their own beside the engine's (see ``single_threaded_torch``).
+        single_threaded_torch()
+        loop.set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="kvtier-tiers", initializer=single_threaded_torch)
+        )
         try:
             loop.run_forever()
         finally:
