@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import pytest
 
-from offload.tier_engine import TierEngine
+from offload.tier_engine import GIL_SWITCH_INTERVAL_S, TierEngine
 from tiers.base import LowerTier, Row, TierError
 
 
@@ -62,3 +63,18 @@ def test_an_engine_never_started_or_failing_to_start_closes_its_loop():
     with pytest.raises(TierError, match="cannot start"):
         failing.start(None)
     assert failing._loop.is_closed() and not failing._thread.is_alive()
+
+
+@pytest.mark.parametrize(("before", "after"), [(0.005, GIL_SWITCH_INTERVAL_S), (0.0001, 0.0001)])
+def test_starting_shortens_the_gil_switch_interval_and_never_lengthens_it(before, after):
+    """A promotion's GIL hand-offs must not each wait Python's 5 ms while the engine's loop
+    spins (vLLM's engine core does); a host's shorter setting is kept."""
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(before)
+        engine = TierEngine([FakeTier()])
+        engine.start(None)
+        engine.close()
+        assert sys.getswitchinterval() == pytest.approx(after)
+    finally:
+        sys.setswitchinterval(saved)
