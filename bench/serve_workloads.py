@@ -97,14 +97,16 @@ def multi_turn(
     max_tokens: int = 16,
 ) -> Workload:
     """Sessions interleaved as their turns' arrival times interleave (``traces.multi_turn``'s
-    laws, think times included); each turn asked when the previous answer is read."""
+    laws: a session a second, think times of minutes, so a session's next turn comes back
+    after many others, as in the production trace); each turn asked when the previous
+    answer is read."""
     tokens = _Tokens(seed)
     rng = random.Random(seed + 1)
     system = tokens.new(tokens_per_trace_block)
     turns: list[tuple[float, list[int]]] = []
     start = 0.0
     for _ in range(sessions):
-        start += rng.expovariate(1.0 / 60.0)  # a session a minute; think times of minutes
+        start += rng.expovariate(1.0)  # a session a second (the trace's rate), minutes of thinking
         context = system + tokens.new(_lognormal_int(rng, 11.0, 1.2) * tokens_per_trace_block)
         t, turn = start, 1
         while len(context) <= max_prompt_tokens:
