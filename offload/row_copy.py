@@ -38,6 +38,14 @@ ROW_COPY_MIN_BYTES = 256 * 2**10
 """A CPU load scatters rows at least this big with one ``copy_`` each: measured here, a
 single-threaded ``index_copy_`` reaches ~0.8 of ``copy_`` on 2 MiB rows, row copies ~1.0."""
 
+SCATTERED_RUNS_PER_PIECE = 2
+"""A CPU copy whose host rows fall in more than this many runs of adjacent rows per task
+it would be cut into is copied by gather-then-scatter instead (``RowCopier._scattered_tasks``):
+two passes over the bytes, but a bounded number of ops. One op per run and ref is one GIL
+hand-off each, and in vLLM's CPU engine, whose loop spins while a request waits for its
+load, each hand-off waits out the switch interval: a load of 93 rows promoted into scattered
+slots took 0.1-0.4 s where adjacent rows took 0.04-0.1 s (``kvtier bench serve``, doc-qa)."""
+
 Task = Callable[[], object]
 """One independent piece of a copy (tasks of one job may run concurrently)."""
 
@@ -70,6 +78,17 @@ def _copy_rows(device: torch.Tensor, blocks: Sequence[int], host: torch.Tensor) 
     """Scatter host rows into device blocks one ``copy_`` each (for rows big enough to amortise a call)."""
     for row, block in enumerate(blocks):
         device[block].copy_(host[row])
+
+
+def _move_scattered(
+    columns: Sequence[_RefColumns], blocks: torch.Tensor, rows: torch.Tensor, store: bool
+) -> None:
+    """Device blocks ``blocks[i]`` to (``store``) or from host sub-rows ``rows[i]``, two ops per ref."""
+    for col in columns:
+        if store:
+            col.host.index_copy_(0, rows, col.device.index_select(0, blocks))
+        else:
+            col.device.index_copy_(0, blocks, col.host.index_select(0, rows))
 
 
 def _device_index(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -171,6 +190,8 @@ class RowCopier:
         if self.device.type != "cpu":
             return [partial(self._staged_copy, list(blocks), list(rows), store)]
         runs = list(adjacent_runs(rows))
+        if len(runs) > SCATTERED_RUNS_PER_PIECE * 2 * parallelism:
+            return self._scattered_tasks(blocks, rows, store=store, pieces=2 * parallelism)
         pieces = max(1, -(-2 * parallelism // max(1, len(runs) * len(self.columns))))
         tasks: list[Task] = []
         for start, end in runs:
@@ -186,6 +207,19 @@ class RowCopier:
                         tasks.append(partial(_copy_rows, col.device, blocks[lo:hi], col.host[r0:r1]))
                     else:
                         tasks.append(partial(col.device.index_copy_, 0, index, col.host[r0:r1]))
+        return tasks
+
+    def _scattered_tasks(
+        self, blocks: Sequence[int], rows: Sequence[int], *, store: bool, pieces: int
+    ) -> list[Task]:
+        """The copy as ``pieces`` tasks of two indexed ops per ref (a gather into a scratch
+        tensor, then a scatter), whatever the rows' order: for rows spread over the slab."""
+        step = -(-len(blocks) // pieces)
+        tasks: list[Task] = []
+        for lo in range(0, len(blocks), step):
+            block_index = torch.tensor(blocks[lo : lo + step], dtype=torch.long)
+            row_index = torch.tensor(rows[lo : lo + step], dtype=torch.long)
+            tasks.append(partial(_move_scattered, self.columns, block_index, row_index, store))
         return tasks
 
     def converting_loads(self, loads: Sequence[ForeignRowLoad], target: GroupRowLayout) -> list[Task]:

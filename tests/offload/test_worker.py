@@ -48,6 +48,36 @@ def test_round_trip_is_byte_exact(name):
     worker.shutdown()
 
 
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_rows_scattered_over_the_slab_round_trip_in_a_bounded_number_of_tasks(name, parallelism):
+    """Rows promoted into whatever slots were free fall in many short runs: they are copied
+    by gather-then-scatter, at most two tasks per thread, and land byte for byte."""
+    kv, groups = LAYOUTS[name]()
+    caches, worker = make_worker(kv, groups, slots=NUM_BLOCKS)
+    blocks = [3, 8, 0, 11, 5, 1, 9, 6, 2, 10]
+    slots = [7, 2, 11, 0, 9, 4, 1, 6, 10, 3]  # ten runs of one row
+    share = len(blocks) // caches.num_groups  # a hybrid model's groups share tensors, not blocks
+    per_group = [blocks[g * share : (g + 1) * share] for g in range(caches.num_groups)]
+    per_group_slots = [slots[g * share : (g + 1) * share] for g in range(caches.num_groups)]
+    before = {(g, b): caches.read_row(g, b) for g, bs in enumerate(per_group) for b in bs}
+    if caches.num_groups == 1:
+        copier = worker.copiers[0]
+        assert len(copier.tasks(blocks, slots, store=True, parallelism=parallelism)) <= 2 * parallelism
+        assert len(copier.tasks(blocks, sorted(slots), store=True, parallelism=parallelism)) >= len(
+            copier.columns
+        )  # adjacent rows: one op per run and ref, as before
+
+    assert worker.submit_store(1, per_group, per_group_slots)
+    finish(worker, 1)
+    scramble(kv)
+    assert all(caches.read_row(g, b) != row for (g, b), row in before.items())
+    assert worker.submit_load(2, per_group, per_group_slots)
+    finish(worker, 2)
+    assert {key: caches.read_row(*key) for key in before} == before
+    worker.shutdown()
+
+
 def test_load_into_other_blocks_leaves_the_rest_alone():
     kv, groups = per_layer_blocks_first()
     caches, worker = make_worker(kv, groups)
