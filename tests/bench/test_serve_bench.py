@@ -106,7 +106,7 @@ def test_figures_and_targets_tell_a_kvtier_that_helps_from_one_that_does_not():
 
 
 def test_no_reuse_is_judged_against_noise_not_against_a_win():
-    workload = build("no-reuse", 0, scale=0.34)
+    workload = build("no-reuse", 0, scale=1 / 6)
     alone = _outputs([1.0, 1.0], [0, 0])
     same = _outputs([1.05, 1.05], [0, 0])
     worse = _outputs([1.5, 1.5], [0, 0])
