@@ -31,3 +31,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             raise pytest.UsageError(
                 f"KVTIER_REQUIRE_MOONCAKE=1 but mooncake does not import: {exc!r}"
             ) from exc
+
+
+@pytest.fixture
+def spawn_peers(tmp_path):
+    """``spawn_peers(n, **kwargs)`` starts ``n`` real ``kvtier peer`` processes
+    (``tests.tiers.peer_fixtures.start_peers``); every one is closed after the test."""
+    from tests.tiers.peer_fixtures import start_peers  # NIXL only where a test asks for peers
+
+    started = []
+
+    def start(n: int = 1, **kwargs):
+        peers = start_peers(tmp_path, n, **kwargs)
+        started.extend(peers)
+        return peers
+
+    yield start
+    for peer in started:
+        peer.close()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.security.relay import C2S, S2C, Relay, frame_type
-from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier, start_peers
+from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier
 from tiers import peer_protocol as proto
 
 KIB = 1024
@@ -28,20 +28,6 @@ TENANTS = {"victim": VICTIM_TOKEN, "attacker": ATTACKER_TOKEN}
 NAMESPACE = b"shared-namespace"  # the attacker knows the victim's namespace and keys
 
 multiprocess = pytest.mark.multiprocess
-
-
-@pytest.fixture
-def spawn(tmp_path):
-    started = []
-
-    def start(n: int = 1, **kwargs):
-        peers = start_peers(tmp_path, n, **kwargs)
-        started.extend(peers)
-        return peers
-
-    yield start
-    for peer in started:
-        peer.close()
 
 
 def rows_and_keys(n: int, seed: int, salt: bytes = b"v") -> tuple[HostRows, list[bytes]]:
@@ -56,8 +42,8 @@ def pairs(keys: list[bytes], views: list[memoryview]) -> list[tuple[bytes, memor
 
 
 @multiprocess
-async def test_a_token_cannot_claim_a_tenant_it_does_not_grant(spawn):
-    (peer,) = spawn(tenants=TENANTS)
+async def test_a_token_cannot_claim_a_tenant_it_does_not_grant(spawn_peers):
+    (peer,) = spawn_peers(tenants=TENANTS)
     raw = RawConnection(peer.port)
     try:
         assert raw.handshake(ATTACKER_TOKEN, tenant="victim") is None  # closed before WELCOME
@@ -82,8 +68,8 @@ async def test_a_token_cannot_claim_a_tenant_it_does_not_grant(spawn):
 
 
 @multiprocess
-async def test_a_single_token_grants_only_the_default_tenant(spawn):
-    (peer,) = spawn(token=VICTIM_TOKEN)
+async def test_a_single_token_grants_only_the_default_tenant(spawn_peers):
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     rows, _ = rows_and_keys(1, seed=2)
     async with open_tier([peer.address], rows.view, token=VICTIM_TOKEN, tenant="other") as tier:
         assert tier.peers_up() == []
@@ -92,8 +78,8 @@ async def test_a_single_token_grants_only_the_default_tenant(spawn):
 
 
 @multiprocess
-async def test_a_tenant_cannot_get_contains_delete_or_overwrite_another_tenants_rows(spawn):
-    (peer,) = spawn(tenants=TENANTS)
+async def test_a_tenant_cannot_get_contains_delete_or_overwrite_another_tenants_rows(spawn_peers):
+    (peer,) = spawn_peers(tenants=TENANTS)
     rows, keys = rows_and_keys(8, seed=3)
     forged = HostRows([ROW] * 8, seed=99)
     async with (
@@ -120,14 +106,14 @@ async def test_a_tenant_cannot_get_contains_delete_or_overwrite_another_tenants_
 
 @multiprocess
 @pytest.mark.parametrize("tenants", [True, False], ids=["quotas", "shared-pool-control"])
-async def test_flooding_one_tenant_does_not_evict_another(spawn, tenants):
+async def test_flooding_one_tenant_does_not_evict_another(spawn_peers, tenants):
     """16 slots, two tenants: 8 each. The attacker writes 64 rows; the victim keeps its 8.
     The control (a peer without tokens: one shared pool) shows the flood does evict there."""
     if tenants:
-        (peer,) = spawn(tenants=TENANTS, capacity="1MiB", row_bytes="64KiB")
+        (peer,) = spawn_peers(tenants=TENANTS, capacity="1MiB", row_bytes="64KiB")
         tokens = {"victim": VICTIM_TOKEN, "attacker": ATTACKER_TOKEN}
     else:
-        (peer,) = spawn(capacity="1MiB", row_bytes="64KiB")
+        (peer,) = spawn_peers(capacity="1MiB", row_bytes="64KiB")
         tokens = {"victim": None, "attacker": None}
     rows, keys = rows_and_keys(8, seed=4)
     flood, flood_keys = rows_and_keys(64, seed=5, salt=b"f")
@@ -148,7 +134,7 @@ async def test_flooding_one_tenant_does_not_evict_another(spawn, tenants):
 
 
 @multiprocess
-def test_a_tenant_is_shown_only_its_own_run_of_the_pool(spawn):
+def test_a_tenant_is_shown_only_its_own_run_of_the_pool(spawn_peers):
     """Each tenant's WELCOME announces, and its NIXL metadata registers, only that tenant's
     run of slots: an unmodified NIXL agent holding the attacker's metadata refuses to READ
     the victim's run (and an RDMA NIC would refuse a forged request; UCX TCP/CMA would not)."""
@@ -157,7 +143,7 @@ def test_a_tenant_is_shown_only_its_own_run_of_the_pool(spawn):
     from tiers.nixl_agent import create_agent
     from tiers.nixl_metadata import parse_agent_metadata
 
-    (peer,) = spawn(tenants=TENANTS)
+    (peer,) = spawn_peers(tenants=TENANTS)
     welcomes = {}
     for tenant, token in TENANTS.items():
         raw = RawConnection(peer.port)
@@ -210,9 +196,9 @@ async def _rows_still_there(address: str, keys: list[bytes], rows: HostRows) -> 
 
 
 @multiprocess
-async def test_a_relay_that_only_forwards_changes_nothing(spawn):
+async def test_a_relay_that_only_forwards_changes_nothing(spawn_peers):
     """The control for the relay tests: their misses come from the tampering, not the relay."""
-    (peer,) = spawn(token=VICTIM_TOKEN)
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=12)
     async with (
         Relay(peer.port) as relay,
@@ -226,8 +212,8 @@ async def test_a_relay_that_only_forwards_changes_nothing(spawn):
 
 
 @multiprocess
-async def test_a_relay_cannot_inject_a_delete(spawn):
-    (peer,) = spawn(token=VICTIM_TOKEN)
+async def test_a_relay_cannot_inject_a_delete(spawn_peers):
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=6)
     async with open_tier([peer.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier:
         assert await tier.put(pairs(keys, rows.src)) == [True] * 4
@@ -248,8 +234,8 @@ async def test_a_relay_cannot_inject_a_delete(spawn):
 
 
 @multiprocess
-async def test_a_relay_cannot_replay_a_frame(spawn):
-    (peer,) = spawn(token=VICTIM_TOKEN)
+async def test_a_relay_cannot_replay_a_frame(spawn_peers):
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=7)
     async with (
         Relay(peer.port) as relay,
@@ -287,8 +273,8 @@ def _rewrite_welcome(frame: bytes, what: str) -> bytes:
 
 @multiprocess
 @pytest.mark.parametrize("what", ["pool address", "metadata"])
-async def test_a_relay_cannot_rewrite_the_welcome(spawn, what):
-    (peer,) = spawn(token=VICTIM_TOKEN)
+async def test_a_relay_cannot_rewrite_the_welcome(spawn_peers, what):
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=8)
 
     def rewrite(direction: str, index: int, frame: bytes) -> list[bytes]:
@@ -307,10 +293,10 @@ async def test_a_relay_cannot_rewrite_the_welcome(spawn, what):
 
 
 @multiprocess
-async def test_a_relay_cannot_rewrite_leased_row_headers(spawn):
+async def test_a_relay_cannot_rewrite_leased_row_headers(spawn_peers):
     """The relay swaps two entries of a LEASED reply (slot and header): under the old
     protocol each row verified against the swapped header and was served as the other key."""
-    (peer,) = spawn(token=VICTIM_TOKEN)
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     rows, keys = rows_and_keys(4, seed=9)
     async with open_tier([peer.address], rows.view, namespace=NAMESPACE, token=VICTIM_TOKEN) as tier:
         assert await tier.put(pairs(keys, rows.src)) == [True] * 4
@@ -392,9 +378,9 @@ def _mutations(real: bytes) -> list[bytes]:
 
 
 @multiprocess
-async def test_malformed_metadata_from_a_peer_is_refused_before_nixl(spawn):
+async def test_malformed_metadata_from_a_peer_is_refused_before_nixl(spawn_peers):
     """Each blob crashed (or could crash) NIXL's parser; each is refused, the process lives."""
-    (peer,) = spawn(token=VICTIM_TOKEN)
+    (peer,) = spawn_peers(token=VICTIM_TOKEN)
     raw = RawConnection(peer.port)
     try:
         welcome = raw.handshake(VICTIM_TOKEN)
@@ -427,10 +413,10 @@ async def test_malformed_metadata_from_a_peer_is_refused_before_nixl(spawn):
 
 
 @multiprocess
-async def test_idle_unauthenticated_sockets_do_not_lock_out_a_real_client(spawn):
+async def test_idle_unauthenticated_sockets_do_not_lock_out_a_real_client(spawn_peers):
     """300 idle sockets (more than --max-connections' 256) from the client's own address and
     another; the handshake deadline is long, so only the caps protect the client here."""
-    (peer,) = spawn(token=VICTIM_TOKEN, extra=["--handshake-timeout", "60"])
+    (peer,) = spawn_peers(token=VICTIM_TOKEN, extra=["--handshake-timeout", "60"])
     idle = []
     try:
         for i in range(300):
@@ -449,8 +435,8 @@ async def test_idle_unauthenticated_sockets_do_not_lock_out_a_real_client(spawn)
 
 
 @multiprocess
-def test_a_connection_that_does_not_authenticate_is_closed_at_the_handshake_deadline(spawn):
-    (peer,) = spawn(token=VICTIM_TOKEN, extra=["--handshake-timeout", "1"])
+def test_a_connection_that_does_not_authenticate_is_closed_at_the_handshake_deadline(spawn_peers):
+    (peer,) = spawn_peers(token=VICTIM_TOKEN, extra=["--handshake-timeout", "1"])
     idle = RawConnection(peer.port, timeout=10.0)
     try:
         started = time.monotonic()

@@ -4,6 +4,7 @@ UCX listens on, the flags and token files it starts with."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import struct
@@ -43,19 +44,21 @@ def _listening(pid: int) -> set[str]:
     return found
 
 
-def _peer_listeners(listen: str, ucx_net_devices: str | None) -> set[str]:
+def _peer_listeners(
+    listen: str, ucx_net_devices: str | None = None, *, in_namespace: bool = False
+) -> set[str]:
+    """The addresses a ``kvtier peer --listen LISTEN`` listens on, its own socket and UCX's
+    (``in_namespace``: started in a network namespace of its own, ``NETNS_SETUP``)."""
     env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
     env["NIXL_LOG_LEVEL"] = "WARN"
     if ucx_net_devices is not None:
         env["UCX_NET_DEVICES"] = ucx_net_devices
-    argv = ["--listen", listen, "--capacity", "1MiB", "--row-bytes", "64KiB"]
+    argv = [sys.executable, "-m", "tiers.peer_server", "--listen", listen, "--capacity", "1MiB"]
+    argv += ["--row-bytes", "64KiB"]
+    if in_namespace:
+        argv = ["unshare", "-n", "-m", "sh", "-c", f"{NETNS_SETUP} && exec {shlex.join(argv)}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tiers.peer_server", *argv],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
         assert proc.stdout is not None and "listening on" in proc.stdout.readline()
@@ -208,26 +211,7 @@ def test_in_a_network_namespace_ucx_listens_on_the_listen_interface_only(listen)
     address; the wildcard is the control (UCX then listens on the other interfaces too)."""
     if not _netns_available():
         pytest.skip("cannot create a network namespace with a veth pair here (needs root or user namespaces)")
-    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
-    env["NIXL_LOG_LEVEL"] = "WARN"
-    peer = f"exec {sys.executable} -m tiers.peer_server --listen {listen}:0 --capacity 1MiB --row-bytes 64KiB"
-    proc = subprocess.Popen(
-        ["unshare", "-n", "-m", "sh", "-c", f"{NETNS_SETUP} && {peer}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None and "listening on" in proc.stdout.readline()
-        time.sleep(0.3)
-        found = _listening(proc.pid)
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    found = _peer_listeners(f"{listen}:0", in_namespace=True)
     if listen == "10.99.0.1":
         assert found == {_hex("10.99.0.1")}
     else:

@@ -45,20 +45,6 @@ def shared(tmp_path_factory):
         peer.close()
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    started = []
-
-    def start(n: int = 1, **kwargs):
-        peers = start_peers(tmp_path, n, **kwargs)
-        started.extend(peers)
-        return peers
-
-    yield start
-    for peer in started:
-        peer.close()
-
-
 async def eventually(condition: Callable[[], object], timeout: float = 10.0, poke=None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -335,8 +321,8 @@ async def test_sixteen_concurrent_clients_lose_and_mix_up_nothing(shared):
 
 
 @multiprocess
-async def test_a_peer_killed_mid_transfer_turns_into_misses(spawn):
-    peers = spawn(2, capacity="64MiB", row_bytes="256KiB")
+async def test_a_peer_killed_mid_transfer_turns_into_misses(spawn_peers):
+    peers = spawn_peers(2, capacity="64MiB", row_bytes="256KiB")
     addresses = [p.address for p in peers]
     victim, survivor = peers
     n = 48
@@ -378,8 +364,8 @@ async def test_a_peer_killed_mid_transfer_turns_into_misses(spawn):
 
 
 @multiprocess
-async def test_a_stopped_peer_hits_the_deadline_not_a_hang(spawn):
-    peers = spawn(2)
+async def test_a_stopped_peer_hits_the_deadline_not_a_hang(spawn_peers):
+    peers = spawn_peers(2)
     addresses = [p.address for p in peers]
     victim, survivor = peers
     rows, keys = two_group_rows(24, seed=22)
@@ -406,8 +392,8 @@ async def test_a_stopped_peer_hits_the_deadline_not_a_hang(spawn):
 
 
 @multiprocess
-async def test_a_restarted_peer_rejoins(spawn):
-    peers = spawn(2)
+async def test_a_restarted_peer_rejoins(spawn_peers):
+    peers = spawn_peers(2)
     addresses = [p.address for p in peers]
     victim = peers[0]
     rows, keys = two_group_rows(24, seed=23)
@@ -415,7 +401,7 @@ async def test_a_restarted_peer_rejoins(spawn):
         assert await tier.put(list(zip(keys, rows.src, strict=True))) == [True] * 24
         victim.kill()
         await eventually(lambda: victim.address not in tier.peers_up())  # EOF alone marks it down
-        restarted = spawn(1, port=victim.port)[0]
+        restarted = spawn_peers(1, port=victim.port)[0]
 
         async def poke():
             await tier.contains(keys[:1])  # calls retry a down peer once its backoff is over
@@ -432,8 +418,8 @@ async def test_a_restarted_peer_rejoins(spawn):
 
 
 @multiprocess
-async def test_sigterm_stops_the_peer_cleanly(spawn):
-    peer = spawn(1)[0]
+async def test_sigterm_stops_the_peer_cleanly(spawn_peers):
+    peer = spawn_peers(1)[0]
     rows, keys = two_group_rows(2, seed=24)
     async with open_tier([peer.address], rows.view) as tier:
         assert tier.peers_up() == [peer.address]
