@@ -209,6 +209,64 @@ def test_a_hit_is_not_evicted_before_the_step_ends():
     assert m.prepare_store([k(4)]).evicted_keys == [k(1)]
 
 
+def test_a_pinned_hit_needs_no_step_protection():
+    m = manager(slots=2)
+    stored(m, 1)
+    stored(m, 2)
+    assert m.lookup(k(1)) is HIT
+    m.prepare_load([k(1)])
+    m.complete_load([k(1)])  # loaded: nothing left to protect it for
+    assert m.prepare_store([k(3)]).evicted_keys == [k(1)]
+
+
+def _replay(m: OffloadingManager, requests: list[list[bytes]], end_steps: bool, load: bool) -> int:
+    """Drive ``m`` as vLLM's scheduler does, one request a step: lookups up to the first
+    miss, the hits loaded (``load``) and touched, the rest stored; hits counted."""
+    hits = 0
+    for request in requests:
+        h = 0
+        while h < len(request) and m.lookup(request[h]) is HIT:
+            h += 1
+        if h and load:
+            m.prepare_load(request[:h])
+            m.complete_load(request[:h])
+        if h:
+            m.touch(request[:h])
+        out = m.prepare_store(request[h:]) if h < len(request) else None
+        if out is not None and out.keys_to_store:
+            m.complete_store(out.keys_to_store)
+        if end_steps:
+            m.on_schedule_end()
+        hits += h
+    return hits
+
+
+def _documents(n: int = 600, docs: int = 40, blocks: int = 4, seed: int = 0) -> list[list[bytes]]:
+    """Zipf-popular documents of ``blocks`` keys, the popular set moving on twice: a cache
+    that stops taking new rows keeps the first set and misses the others."""
+    import random
+
+    rng = random.Random(seed)
+    weights = [1 / (d + 1) for d in range(docs)]
+    picks = [phase * docs + d for phase in range(3) for d in rng.choices(range(docs), weights, k=n)]
+    return [[k(d * 100 + i) for i in range(blocks)] for d in picks]
+
+
+@pytest.mark.parametrize("load", [True, False])
+def test_a_caller_that_never_ends_its_steps_keeps_its_hit_ratio(load, caplog):
+    """Step protection is bounded: a driver that forgets ``on_schedule_end`` still stores and
+    evicts, and hits about as often as one that ends every step."""
+    requests = _documents()
+    ended = _replay(manager(slots=64), requests, end_steps=True, load=load)
+    m = manager(slots=64)
+    never = _replay(m, requests, end_steps=False, load=load)
+    assert ended > len(requests)  # the workload reuses: the check can tell
+    assert never >= 0.9 * ended
+    assert len(m._step_hits) <= 16
+    warned = [r for r in caplog.records if "on_schedule_end" in r.getMessage()]
+    assert len(warned) == (0 if load else 1)  # loads pin their hits: nothing piles up
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_bad_key_is_an_error_that_changes_nothing(groups):
     m = manager(slots=2, groups=groups)
