@@ -127,6 +127,46 @@ def test_limits_per_connection():
         p.lookup(3, [b"d"])
 
 
+def _apply(
+    p: PeerPool,
+    op: str,
+    owner: int,
+    keys: list[bytes],
+    allocs: list[tuple[int, int, int]],
+    leases: list[tuple[int, int]],
+    **tenant: str,
+) -> list:
+    """One verb of a random sequence against ``p``; ``allocs`` and ``leases`` carry what is
+    open between steps. Returns the entries of a ``get``, ``[]`` otherwise."""
+    if op in ("put", "alloc"):
+        alloc_id, slots = p.allocate(owner, keys, [SLOT] * len(keys), **tenant)
+        n = sum(s < EXISTS for s in slots)
+        if op == "put" and n:
+            p.commit(owner, alloc_id, [header()] * n)
+        elif n:
+            allocs.append((owner, alloc_id, n))
+    elif op == "commit" and allocs:
+        owner, alloc_id, n = allocs.pop()
+        with contextlib.suppress(UnknownAllocation):  # expired or dropped meanwhile
+            p.commit(owner, alloc_id, [header()] * n)
+    elif op == "abort" and allocs:
+        p.abort(*allocs.pop()[:2])
+    elif op == "get":
+        lease, entries = p.lookup(owner, keys, **tenant)
+        if lease:
+            leases.append((owner, lease))
+        return entries
+    elif op == "release" and leases:
+        p.release(*leases.pop())
+    elif op == "delete":
+        p.delete(keys, **tenant)
+    elif op == "expire":
+        p.expire()
+    elif op == "drop":
+        p.drop_owner(owner)
+    return []
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["put", "alloc", "commit", "abort", "get", "release", "delete", "expire", "drop"]),
@@ -145,35 +185,12 @@ def test_every_slot_is_in_exactly_one_state(ops):
     allocs: list[tuple[int, int, int]] = []
     leases: list[tuple[int, int]] = []
     for op, owner, ks in ops:
-        keys = [bytes([k]) for k in ks]
         clock.now += 0.5
-        if op in ("put", "alloc"):
-            alloc_id, slots = p.allocate(owner, keys, [SLOT] * len(keys))
-            n = sum(s < EXISTS for s in slots)
-            if op == "put" and n:
-                p.commit(owner, alloc_id, [header()] * n)
-            elif n:
-                allocs.append((owner, alloc_id, n))
-        elif op == "commit" and allocs:
-            owner, alloc_id, n = allocs.pop()
-            with contextlib.suppress(UnknownAllocation):  # expired or dropped meanwhile
-                p.commit(owner, alloc_id, [header()] * n)
-        elif op == "abort" and allocs:
-            p.abort(*allocs.pop()[:2])
-        elif op == "get":
-            lease, entries = p.lookup(owner, keys)
-            slots = [e[0] for e in entries if e]
-            assert len(set(slots)) == len({e[0] for e in entries if e})
-            if lease:
-                leases.append((owner, lease))
-        elif op == "release" and leases:
-            p.release(*leases.pop())
-        elif op == "delete":
-            p.delete(keys)
-        elif op == "expire":
-            p.expire()
-        elif op == "drop":
-            p.drop_owner(owner)
+        keys = [bytes([k]) for k in ks]
+        entries = _apply(p, op, owner, keys, allocs, leases)
+        if op == "get":
+            found = {key: entry[0] for key, entry in zip(keys, entries, strict=True) if entry}
+            assert len(set(found.values())) == len(found)  # distinct keys, distinct slots
         p.check()
         stored = [p._index[k][0] for k in p._index]
         assert len(stored) == len(set(stored))  # no two keys share a slot
@@ -255,31 +272,7 @@ def test_quotas_and_namespaces_hold_under_any_sequence(ops):
     allocs: list[tuple[int, int, int]] = []
     leases: list[tuple[int, int]] = []
     for op, owner, ks in ops:
-        tenant = f"t{owner % 2}"
-        keys = [bytes([k]) for k in ks]
         clock.now += 0.5
-        if op in ("put", "alloc"):
-            alloc_id, slots = p.allocate(owner, keys, [SLOT] * len(keys), tenant=tenant)
-            n = sum(s < EXISTS for s in slots)
-            if op == "put" and n:
-                p.commit(owner, alloc_id, [header()] * n)
-            elif n:
-                allocs.append((owner, alloc_id, n))
-        elif op == "commit" and allocs:
-            owner, alloc_id, n = allocs.pop()
-            with contextlib.suppress(UnknownAllocation):
-                p.commit(owner, alloc_id, [header()] * n)
-        elif op == "get":
-            lease, _ = p.lookup(owner, keys, tenant=tenant)
-            if lease:
-                leases.append((owner, lease))
-        elif op == "release" and leases:
-            p.release(*leases.pop())
-        elif op == "delete":
-            p.delete(keys, tenant=tenant)
-        elif op == "expire":
-            p.expire()
-        elif op == "drop":
-            p.drop_owner(owner)
+        _apply(p, op, owner, [bytes([k]) for k in ks], allocs, leases, tenant=f"t{owner % 2}")
         p.check()  # includes: no tenant holds more than its quota; rows counted per tenant
         assert p.stats("t0")["used_slots"] <= 3 and p.stats("t1")["used_slots"] <= 3
