@@ -187,9 +187,8 @@ class OffloadingManager:
         self._lock = threading.RLock()
         self.lower = lower
         self._host_row = host_row
-        self._step_hits: OrderedDict[OffloadKey, None] = (
-            OrderedDict()
-        )  # HIT this step, not yet pinned: oldest first
+        # Rows reported HIT this step and not yet pinned, oldest first.
+        self._step_hits: OrderedDict[OffloadKey, None] = OrderedDict()
         self._step_hits_max = max(STEP_HITS_MIN, int(num_groups * slots_per_group * STEP_HITS_MAX_SHARE))
         self._warned_step_hits = False
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
@@ -250,9 +249,9 @@ class OffloadingManager:
         return HostSlots(list(keys), [row.slot for row in rows], layouts if any(layouts) else None)
 
     def _drop_oldest_step_hit(self) -> None:
-        self._step_hits.popitem(
-            last=False
-        )  # O(1), where deleting a dict's first key leaves it slower to find the next
+        # OrderedDict: O(1) here, where deleting a plain dict's first key over and over
+        # leaves each next lookup of the first key slower.
+        self._step_hits.popitem(last=False)
         if not self._warned_step_hits:
             self._warned_step_hits = True
             log.warning(

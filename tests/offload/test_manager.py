@@ -1,5 +1,7 @@
 """The manager's contract, the same as vLLM's OffloadingManager's."""
 
+import random
+
 import pytest
 
 from offload import manager as manager_module
@@ -245,8 +247,6 @@ def _replay(m: OffloadingManager, requests: list[list[bytes]], end_steps: bool, 
 def _documents(n: int = 600, docs: int = 40, blocks: int = 4, seed: int = 0) -> list[list[bytes]]:
     """Zipf-popular documents of ``blocks`` keys, the popular set moving on twice: a cache
     that stops taking new rows keeps the first set and misses the others."""
-    import random
-
     rng = random.Random(seed)
     weights = [1 / (d + 1) for d in range(docs)]
     picks = [phase * docs + d for phase in range(3) for d in rng.choices(range(docs), weights, k=n)]
