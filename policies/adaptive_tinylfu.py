@@ -117,7 +117,8 @@ class AdaptiveTinyLFUPolicy(TinyLFUPolicy):
         super().on_access(key)
 
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
-        self._full = True
+        if n > 0:  # asked for nothing, the tier may not be full: one evict(0) must not start the climb
+            self._full = True
         return super().evict(n, evictable)
 
     def _observe(self, hit: bool) -> None:

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
-from policies.prefix_aware import orphans_first
+from policies.prefix_forest import PrefixForest, orphans_first
 
 
 class HitDensityPolicy(EvictionPolicy):
@@ -82,11 +81,9 @@ class HitDensityPolicy(EvictionPolicy):
         # Per resident key: class, time of last use, predecessor.
         self._class: dict[Key, int] = {}
         self._last: dict[Key, int] = {}
-        self._parent: dict[Key, Key | None] = {}
-        self._children: dict[Key, set[Key]] = {}  # by predecessor, resident or not
-        self._tails: list[Key] = []  # resident keys without resident children: the candidates
-        self._tail_index: dict[Key, int] = {}
-        self._orphans: OrderedDict[Key, None] = OrderedDict()
+        # Chains: tails are the eviction candidates.
+        self._forest = PrefixForest(track_tails=True)
+        self._tails: list[Key] = self._forest.tails  # type: ignore[assignment]
         self._reset_statistics()
 
     def _reset_statistics(self) -> None:
@@ -130,54 +127,16 @@ class HitDensityPolicy(EvictionPolicy):
 
     # -- chain bookkeeping ---------------------------------------------------------------
 
-    def _add_tail(self, key: Key) -> None:
-        if key not in self._tail_index:
-            self._tail_index[key] = len(self._tails)
-            self._tails.append(key)
-
-    def _drop_tail(self, key: Key) -> None:
-        index = self._tail_index.pop(key, None)
-        if index is None:
-            return
-        last = self._tails.pop()
-        if index < len(self._tails):
-            self._tails[index] = last
-            self._tail_index[last] = index
-
     def _link(self, key: Key, parent: Key | None, cls: int) -> None:
         self._class[key] = cls
         self._last[key] = self._clock
-        self._parent[key] = parent
-        if parent is not None:
-            siblings = self._children.get(parent)
-            if siblings is None:
-                self._children[parent] = {key}
-            else:
-                siblings.add(key)
-            self._drop_tail(parent)
-        children = self._children.get(key)
-        if children:
-            for child in children:
-                self._orphans.pop(child, None)
-        else:
-            self._add_tail(key)
+        self._forest.link(key, parent)
         self._tick()
 
     def _unlink(self, key: Key) -> None:
-        self._drop_tail(key)
-        self._orphans.pop(key, None)
         del self._class[key]
         del self._last[key]
-        parent = self._parent.pop(key)
-        if parent is not None:
-            siblings = self._children[parent]
-            siblings.discard(key)
-            if not siblings:
-                del self._children[parent]
-                if parent in self._class:
-                    self._add_tail(parent)
-        for child in self._children.get(key, ()):
-            self._orphans[child] = None
+        self._forest.unlink(key)
 
     # -- the policy contract ---------------------------------------------------------------
 
@@ -194,7 +153,8 @@ class HitDensityPolicy(EvictionPolicy):
             EvictionPolicy.on_insert_run(self, keys, parent)
             return
         reuse = 0
-        if self._inherit and parent is not None and parent in self._class and parent not in self._children:
+        extends = parent is not None and parent in self._class and parent not in self._forest.children
+        if self._inherit and extends:
             reuse = self._class[parent] % self._reuse
         last = len(keys) - 1
         for i in range(last, -1, -1):
@@ -228,11 +188,11 @@ class HitDensityPolicy(EvictionPolicy):
             key = self._next_victim(evictable, pool, fresh)
             fresh = max(2, self.samples // 4)
             self._count_eviction(key)
-            parent = self._parent[key]
+            parent = self._forest.parent[key]
             self._unlink(key)
             victims.append(key)
             # Its predecessor may now be a tail: the next candidate of the same chain.
-            if parent in self._tail_index and evictable(parent):
+            if parent is not None and self._forest.is_tail(parent) and evictable(parent):
                 pool.add(self.density(parent), parent)
         return victims
 
@@ -241,7 +201,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._evictions[self._class[key]][self._age(key)] += 1.0
 
     def _next_victim(self, evictable: Evictable, pool: _Pool, fresh: int) -> Key:
-        for key in self._orphans:
+        for key in self._forest.orphans:
             if evictable(key):
                 return key
         tails = self._tails
@@ -269,12 +229,12 @@ class HitDensityPolicy(EvictionPolicy):
         return len(self._class)
 
     def __iter__(self) -> Iterator[Key]:
-        return orphans_first(self._orphans, self._class)
+        return orphans_first(self._forest.orphans, self._class)
 
     def clear(self) -> None:
-        for part in (self._class, self._last, self._parent, self._children, self._tail_index, self._orphans):
-            part.clear()
-        self._tails.clear()
+        self._class.clear()
+        self._last.clear()
+        self._forest.clear()
         self._rng = random.Random(self._seed)
         self._reset_statistics()
 

@@ -27,25 +27,18 @@ times, so a frequency-minded policy (ARC's T2, SLRU's protected segment) treats 
 chain it continues. A run that branches off an interior block (a new conversation under a
 shared system prompt) inherits nothing. ``inherit=0`` turns this off.
 
-Memory: a parent link per resident key and a child set per parent of a resident key, both
-bounded by the number of resident keys.
+The chains themselves are a ``PrefixForest`` (``policies/prefix_forest.py``), shared with
+``lhd``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
-
-
-def orphans_first(orphans: Collection[Key], keys: Iterable[Key]) -> Iterator[Key]:
-    """Eviction order of a chain-aware policy: orphans (never hit again), then the rest."""
-    yield from orphans
-    for key in keys:
-        if key not in orphans:
-            yield key
+from policies.prefix_forest import PrefixForest, orphans_first
 
 
 class PrefixAware(EvictionPolicy):
@@ -65,9 +58,10 @@ class PrefixAware(EvictionPolicy):
         self.search_limit = search_limit
         self.inherit = inherit
         self._uses: dict[Key, int] = {}
-        self._parent: dict[Key, Key | None] = {}
-        self._children: dict[Key, set[Key]] = {}
-        self._orphans: OrderedDict[Key, None] = OrderedDict()
+        self._forest = PrefixForest()
+        self._parent = self._forest.parent
+        self._children = self._forest.children
+        self._orphans = self._forest.orphans
 
     @property
     def orphans(self) -> list[Key]:
@@ -111,27 +105,11 @@ class PrefixAware(EvictionPolicy):
             self._unlink(key)
 
     def _link(self, key: Key, parent: Key | None) -> None:
-        self._parent[key] = parent
-        if parent is not None:
-            siblings = self._children.get(parent)
-            if siblings is None:
-                self._children[parent] = {key}
-            else:
-                siblings.add(key)
-        for child in self._children.get(key, ()):
-            self._orphans.pop(child, None)
+        self._forest.link(key, parent)
 
     def _unlink(self, key: Key) -> None:
-        parent = self._parent.pop(key)
+        self._forest.unlink(key)
         self._uses.pop(key, None)
-        self._orphans.pop(key, None)
-        if parent is not None:
-            siblings = self._children[parent]
-            siblings.discard(key)
-            if not siblings:
-                del self._children[parent]
-        for child in self._children.get(key, ()):
-            self._orphans[child] = None
 
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
         if n <= 0:
@@ -215,6 +193,5 @@ class PrefixAware(EvictionPolicy):
 
     def clear(self) -> None:
         self.inner.clear()
-        self._parent.clear()
-        self._children.clear()
-        self._orphans.clear()
+        self._forest.clear()
+        self._uses.clear()

@@ -79,3 +79,20 @@ def test_a_resize_keeps_every_key_and_the_window_within_its_share(capacity: int,
 def test_bad_parameters_are_config_errors(params: dict, named: str) -> None:
     with pytest.raises(ValueError, match=rf"'tinylfu-adaptive'.*{named}"):
         make_policy("tinylfu-adaptive", 100, **params)
+
+
+def test_asking_to_evict_nothing_does_not_start_the_climb() -> None:
+    """Climbing starts at the first eviction; ``evict(0)`` evicts nothing, so a tier that asked
+    for nothing behaves as one that was never asked (found by the batch-equals-singles
+    property: the batch ``evict(0)`` started the climb, zero ``evict(1)`` calls did not)."""
+    asked, never = AdaptiveTinyLFUPolicy(10, climb_sample=0.1), AdaptiveTinyLFUPolicy(10, climb_sample=0.1)
+    assert asked.evict(0) == []
+    for key in range(12):
+        for policy in (asked, never):
+            policy.on_insert(key)
+    assert asked.window_size == never.window_size == 1
+    assert list(asked) == list(never)
+    asked.evict(1)  # a real eviction starts it: the next misses move the window
+    for key in range(12, 20):
+        asked.on_insert(key)
+    assert asked.window_size > 1

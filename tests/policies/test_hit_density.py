@@ -42,7 +42,7 @@ def test_chains_leave_from_the_tail_and_nothing_is_orphaned() -> None:
         policy.on_insert_run(run, parent)
         if rng.random() < 0.5:
             policy.on_access(rng.choice(list(policy)))
-    assert not policy._orphans
+    assert not policy._forest.orphans
 
 
 def test_an_owner_removal_orphans_descendants_which_go_first() -> None:
@@ -59,5 +59,5 @@ def test_it_is_deterministic_for_a_seed_and_keeps_bounded_state(seed: int, keys:
     a, b = HitDensityPolicy(8, seed=seed, period=16), HitDensityPolicy(8, seed=seed, period=16)
     assert replay(a, keys) == replay(b, keys)
     assert list(a) == list(b)
-    assert len(a._children) <= len(a) and len(a._tails) <= len(a)
+    assert len(a._forest.children) <= len(a) and len(a._forest.tails) <= len(a)
     assert all(len(row) == 256 for row in a._hits + a._evictions + a._density)
