@@ -211,6 +211,12 @@ class HostTierManager:
         self._warned_step_hits = False
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
+        if not self.lower.tiers:
+            # Host only: nothing below to apply, promote, ask or count for admission. Bound
+            # once, so the hot path does not pay for calls into ``NoLowerTiers`` (measured:
+            # 2-5% of calls/s on the shipped trace).
+            self.lookup = self._lookup_host  # type: ignore[method-assign]
+            self.poll = _nothing_below  # type: ignore[method-assign]
 
     @property
     def lock(self) -> threading.RLock:
@@ -220,14 +226,24 @@ class HostTierManager:
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> Lookup:
+        """Where ``key`` is: in the host tier (``_lookup_host``), else below (``_look_below``)."""
         lower = self.lower
         if lower.has_results():
             self.apply_finished()  # not poll(): promotions queued by this step's lookups go out together
+        found = self._lookup_host(key)
+        if found is Lookup.MISS:
+            return self._look_below(key)
+        self._last_lookup[key_group(key)] = key
+        if found is Lookup.HIT:
+            lower.observe(key)
+        return found
+
+    def _lookup_host(self, key: OffloadKey) -> Lookup:
+        """``lookup`` in the host tier alone: a host-only manager's ``lookup`` (bound in ``__init__``)."""
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
-            return self._look_below(key)
-        self._last_lookup[row.group] = key
+            return Lookup.MISS
         if row.ready:
             self.stats.hits += 1
             step_hits = self._step_hits
@@ -235,7 +251,6 @@ class HostTierManager:
                 step_hits[key] = None
                 if len(step_hits) > self._step_hits_max:
                     self._drop_oldest_step_hit()
-            lower.observe(key)
             return Lookup.HIT
         self.stats.pending += 1
         return Lookup.HIT_PENDING
@@ -471,7 +486,7 @@ class HostTierManager:
 
     def inflight_below(self) -> int:
         """Lower-tier operations (promotions, spills, peer checks) submitted and not yet
-        drained: a front end keeps stepping while there are some."""
+        finished: a front end keeps stepping while there are some."""
         return self.lower.inflight()
 
     def wait_idle(self, timeout: float | None) -> bool:
@@ -675,6 +690,10 @@ class HostTierManager:
         for group, chosen in victims.items():
             for key in chosen:
                 self._policies[group].on_insert(key)
+
+
+def _nothing_below() -> None:
+    """``poll`` of a host-only manager: nothing below to send or apply."""
 
 
 def _new_runs(

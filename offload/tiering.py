@@ -411,7 +411,7 @@ class LowerTierChain:
     # -- the engine --------------------------------------------------------------------
 
     def inflight(self) -> int:
-        """Operations submitted and not yet drained."""
+        """Operations submitted and not yet finished."""
         return self.engine.inflight()
 
     def wait_idle(self, timeout: float | None) -> bool:

@@ -1,4 +1,4 @@
-"""The manager's contract, the same as vLLM's HostTierManager's."""
+"""The manager's contract, the same as vLLM's OffloadingManager's."""
 
 import random
 
@@ -300,3 +300,14 @@ def test_new_keys_reach_the_policy_as_runs_with_their_parent(groups):
     runs = m._policies[0].runs
     assert runs[0] == ([k(1), k(2), k(5)], None)  # every key new: one run
     assert runs[1:] == [([k(3), k(4)], k(2)), ([k(6)], k(5))]
+
+
+def test_a_host_only_manager_has_no_work_below():
+    m = manager()
+    outcomes = []
+    m.observe_results(outcomes.append)
+    stored(m, 1, 2)
+    assert m.lookup(k(3)) is MISS
+    m.poll()
+    assert (m.inflight_below(), m.wait_idle(0), outcomes) == (0, True, [])
+    assert m.lower.tiers == [] and not m.lower.has_write_back

@@ -178,3 +178,71 @@ def test_a_locked_disk_tier_is_a_clear_error_at_start(tmp_path, layout):
     cfg = config(tmp_path, 4, row)
     with Offloader(kv, groups, cfg), pytest.raises(TierError, match="lock"):
         Offloader(kv, groups, cfg)
+
+
+def failing_gets(tier) -> list[int]:
+    """Make ``tier``'s reads fail from now on (as a flaky peer's would); counts the calls."""
+    calls: list[int] = []
+
+    async def get(rows, layouts=None) -> list[bool]:
+        calls.append(len(rows))
+        return [False] * len(rows)
+
+    tier.get = get
+    return calls
+
+
+def test_a_failed_promotion_stays_a_miss_for_a_while_and_is_observed(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        keys = keys_for("fail", 4)
+        store_each(offloader, keys, range(4))
+        manager = offloader.manager
+        outcomes = []
+        manager.observe_results(outcomes.append)
+        disk = manager.lower.tiers[0]
+        calls = failing_gets(disk)
+        assert promote(offloader, keys[:1]) == 0
+        assert [(o.tier, o.landed, o.failed) for o in outcomes] == [("disk", [], [keys[0]])]
+        assert disk.may_contain(keys[0])  # still on disk: only the read failed
+        for _ in range(3):  # not promoted again: a miss, so the engine recomputes it
+            assert promote(offloader, keys[:1]) == 0
+        assert calls == [1]
+        assert offloader.stats()["lower"]["promotions_failed"] == 1
+        manager.lower.retry_failed_s = 0.0  # the while is over: tried again
+        assert promote(offloader, keys[:1]) == 0
+        assert calls == [1, 1]
+
+
+def test_a_failed_promotion_is_forgotten_once_the_block_is_stored_again(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        keys = keys_for("again", 3)
+        store_each(offloader, keys, range(3))
+        disk = offloader.manager.lower.tiers[0]
+        calls = failing_gets(disk)
+        assert promote(offloader, keys[:1]) == 0
+        del disk.get  # the tier reads again
+        store_each(offloader, keys[:1], [0])  # the engine recomputed it
+        store_each(offloader, keys[1:], [1, 2])  # evicts it again
+        assert promote(offloader, keys[:1]) == 1  # promoted: the failure no longer counts
+        assert calls == [1]
+
+
+def test_front_end_verbs_in_flight_wait_idle_and_observed_results(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        manager = offloader.manager
+        outcomes = []
+        manager.observe_results(outcomes.append)
+        keys = keys_for("verbs", 2)
+        assert offloader.store(keys, [0, 1]) is not None
+        offloader.wait()  # complete_store: both rows start their way down
+        assert manager.inflight_below() in (0, 1)  # one put; it may have finished already
+        assert manager.wait_idle(10)
+        assert manager.inflight_below() == 0
+        assert outcomes == []  # finished, not applied yet: the next call applies it
+        manager.poll()
+        assert [(o.tier, o.landed, o.failed) for o in outcomes] == [("disk", [], [])]
+        assert outcomes[0].seconds >= 0
+        assert offloader.stats()["lower"]["spills_done"] == 2
