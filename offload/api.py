@@ -113,6 +113,8 @@ class Offloader:
         ``poll`` to load the longer prefix. From the first miss on, remote peers are asked
         in the background whether they hold the rest (another engine may have put it); a key
         still being asked (``lookup_wait_s``) ends the prefix like a miss until they answer.
+        A key whose promotion failed is a miss for a while
+        (``offload.tiering.RETRY_FAILED_PROMOTIONS_S``): the engine recomputes it.
         """
         hits: int | None = None
         found = len(keys)

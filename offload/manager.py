@@ -457,9 +457,7 @@ class HostTierManager:
 
     def poll(self) -> None:
         """Send queued promotions and checks below, and apply finished lower-tier work."""
-        lower = self.lower
-        self._drop_refused(lower.send_promotions())
-        lower.flush_asks()
+        self._drop_refused(self.lower.send())
         self.apply_finished()
 
     def apply_finished(self) -> None:
@@ -479,8 +477,7 @@ class HostTierManager:
         A lookup stops at its first miss; an engine that knows the rest of the prefix passes
         it here so that one round trip finds the whole prefix for the next request.
         """
-        self.lower.ask_later(key for key in keys if key not in self._rows)
-        self.lower.flush_asks()
+        self.lower.check(key for key in keys if key not in self._rows)
 
     # -- for front ends ----------------------------------------------------------------
 

@@ -128,7 +128,7 @@ def _read_token(path: str | None) -> bytes | None:
 
 
 PROMOTION_BATCH = 256
-"""Queued promotions of one tier are sent at the latest when this many wait (else at ``send_promotions``)."""
+"""Queued promotions of one tier are sent at the latest when this many wait (else at ``send``)."""
 
 RETRY_FAILED_PROMOTIONS_S = 60.0
 """A key whose promotion failed is not promoted again for this long: its lookups are misses,
@@ -178,8 +178,9 @@ class LowerTierChain:
     (all on the scheduler thread, none blocking):
 
     - ``observe`` / ``computed``: a block was hit / is about to be stored (admission counts);
-    - ``locate`` then ``promote`` (and ``send_promotions`` once per step): a host miss that a
-      tier holds comes up; ``ask`` otherwise (remote peers asked in the background);
+    - ``locate`` then ``promote``: a host miss that a tier holds comes up; ``ask`` otherwise
+      (remote peers asked in the background); ``check`` for the rest of a prefix;
+    - ``send`` (once per step): queued promotions and checks go out, a request per tier;
     - ``spill``: copy host rows down (write-through on store, write-back before eviction);
     - ``finished``: drain finished operations, once the chain has taken its part (stats,
       peer answers, failed promotions, observers); the manager applies the rest to its rows.
@@ -211,7 +212,7 @@ class LowerTierChain:
             if tier.index_is_partial and placement.promote
         ]
         self.asks = PeerAsks(engine, partial, self._next_op_id, lookup_wait_s=lookup_wait_s, stats=self.stats)
-        self._promotions: dict[int, list[Row]] = {}  # per tier: queued until send_promotions
+        self._promotions: dict[int, list[Row]] = {}  # per tier: queued until send
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # key -> when its promotion failed
         self._observers: list[TierObserver] = []
 
@@ -264,12 +265,10 @@ class LowerTierChain:
         self.asks.ask_later([key])
         return self.asks.asking(key)
 
-    def ask_later(self, keys: Iterable[bytes]) -> None:
-        """Queue ``contains`` checks for keys missing here, on tiers whose local index is partial."""
+    def check(self, keys: Iterable[bytes]) -> None:
+        """Ask the tiers whose index is partial about ``keys`` now, in one ``contains`` each
+        (with the checks already queued)."""
         self.asks.ask_later(keys)
-
-    def flush_asks(self) -> None:
-        """Send the queued checks, one ``contains`` per partial tier."""
         self.asks.flush()
 
     def forget_failures(self) -> None:
@@ -285,12 +284,18 @@ class LowerTierChain:
         queue = self._promotions.setdefault(tier, [])
         queue.append((bytes(key), host_row))
         if len(queue) >= PROMOTION_BATCH:
-            return self.send_promotions()
+            return self._send_promotions()
         return []
 
-    def send_promotions(self) -> list[bytes]:
-        """Send queued promotions, one operation per tier (a prefix moves in one request);
-        the keys refused because their tier is saturated (see ``promote``)."""
+    def send(self) -> list[bytes]:
+        """Send queued promotions, one operation per tier (a prefix moves in one request), and
+        queued checks, one ``contains`` per partial tier; the keys of promotions refused
+        because their tier is saturated (see ``promote``)."""
+        refused = self._send_promotions()
+        self.asks.flush()
+        return refused
+
+    def _send_promotions(self) -> list[bytes]:
         refused: list[bytes] = []
         while self._promotions:
             tier, rows = self._promotions.popitem()
@@ -456,16 +461,13 @@ class NoLowerTiers(LowerTierChain):
     def ask(self, key: bytes) -> bool:
         return False
 
-    def ask_later(self, keys: Iterable[bytes]) -> None:
-        pass
-
-    def flush_asks(self) -> None:
+    def check(self, keys: Iterable[bytes]) -> None:
         pass
 
     def forget_failures(self) -> None:
         pass
 
-    def send_promotions(self) -> list[bytes]:
+    def send(self) -> list[bytes]:
         return []
 
     def has_results(self) -> bool:
