@@ -38,13 +38,13 @@ LowerTierChain``; ``NoLowerTiers`` for a host-only stack):
   background); until then it is *dirty*, and eviction prefers clean rows;
 - a row being copied down (``readers``) or promoted (not ready) is never evicted.
 
-Finished lower-tier work is applied at the start of every call (and by ``poll``), so the
-state never changes behind the caller's back. A caller that runs without scheduler steps
-of its own calls ``poll`` (queued promotions and peer checks go out, finished work is
-applied). For front ends: ``inflight_below`` (lower-tier operations in flight),
-``wait_idle`` (block until there are none; the next call applies them) and
-``observe_results`` (each finished operation with its latency, promotions landed and
-failed).
+Finished lower-tier work is applied at the start of every call, so the state never
+changes behind the caller's back; promotions queued by a step's lookups and peer checks go
+out together at ``on_schedule_end`` (``poll``, which it calls, does the same between
+steps). For front ends, instead of reaching into the chain: ``inflight_below`` (lower-tier
+operations in flight: keep stepping), ``wait_idle`` (block until there are none; the next
+call applies them) and ``observe_results`` (each finished operation with its tier and
+latency, the promotions landed and failed).
 
 The engine's lock (``lock``) is held by the caller across a scheduler step; no method
 takes it.
