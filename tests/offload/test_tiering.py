@@ -1,5 +1,8 @@
 """Spill and promotion through a real disk tier (LMDB in a temporary folder)."""
 
+import asyncio
+import threading
+
 import pytest
 import torch
 
@@ -233,16 +236,26 @@ def test_front_end_verbs_in_flight_wait_idle_and_observed_results(tmp_path, layo
     kv, groups, row = layout
     with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
         manager = offloader.manager
+        keys = keys_for("verbs", 3)
+        store_each(offloader, keys, range(3))  # keys[0]: on disk only
         outcomes = []
         manager.observe_results(outcomes.append)
-        keys = keys_for("verbs", 2)
-        assert offloader.store(keys, [0, 1]) is not None
-        offloader.wait()  # complete_store: both rows start their way down
-        assert manager.inflight_below() in (0, 1)  # one put; it may have finished already
+        disk = manager.lower.tiers[0]
+        release = threading.Event()
+        read = disk.get
+
+        async def slow_get(rows, layouts=None) -> list[bool]:
+            await asyncio.to_thread(release.wait, 10)
+            return await read(rows, layouts)
+
+        disk.get = slow_get
+        assert offloader.lookup(keys[:1]) == 0  # the promotion went out
+        assert manager.inflight_below() == 1
+        assert not manager.wait_idle(0.05)
+        release.set()
         assert manager.wait_idle(10)
         assert manager.inflight_below() == 0
         assert outcomes == []  # finished, not applied yet: the next call applies it
-        manager.poll()
-        assert [(o.tier, o.landed, o.failed) for o in outcomes] == [("disk", [], [])]
-        assert outcomes[0].seconds >= 0
-        assert offloader.stats()["lower"]["spills_done"] == 2
+        assert offloader.lookup(keys[:1]) == 1
+        assert [(o.tier, o.landed, o.failed) for o in outcomes] == [("disk", [keys[0]], [])]
+        assert outcomes[0].seconds >= 0.05
