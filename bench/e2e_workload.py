@@ -30,7 +30,7 @@ import torch
 from bench.traces import Request
 from offload.api import Offloader
 from offload.keys import OffloadKey, make_key
-from offload.manager import LookupResult
+from offload.manager import Lookup
 
 SOURCES = ("device", "host", "disk", "remote", "recomputed")
 LOWER_TIERS = ("disk", "remote")
@@ -166,12 +166,12 @@ def lookup_landed(offloader: Offloader, keys: Sequence[OffloadKey]) -> int:
     """Leading ``keys`` loadable now, after waiting for the promotions ``lookup`` started."""
     deadline = time.perf_counter() + PROMOTION_TIMEOUT_S
     lower = offloader.manager.lower
-    failed = lower.stats.promotions_failed if lower is not None else 0
+    failed = lower.stats.promotions_failed
     hits = offloader.lookup(keys)
     while hits < len(keys) and time.perf_counter() < deadline:
-        if offloader.manager.lookup(keys[hits]) is not LookupResult.HIT_PENDING:
+        if offloader.manager.lookup(keys[hits]) is not Lookup.HIT_PENDING:
             break  # a miss: the rest is recomputed
-        if lower is not None and lower.stats.promotions_failed != failed:
+        if lower.stats.promotions_failed != failed:
             break  # a promotion failed (e.g. the peer evicted the row): recompute from there
         time.sleep(0.0002)
         offloader.poll()

@@ -114,21 +114,21 @@ def vllm_throughput(
 
 
 def kvtier_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str) -> Job:
-    """``offload.manager.OffloadingManager`` (one KV group) with kvtier policy ``policy``."""
-    from offload.manager import LookupResult, OffloadingManager
+    """``offload.manager.HostTierManager`` (one KV group) with kvtier policy ``policy``."""
+    from offload.manager import HostTierManager, Lookup
     from policies.registry import make_policy
 
     requests = _key_lists(trace, device_hits)
 
     def prepare() -> Any:
-        return OffloadingManager(1, capacity, lambda rows: make_policy(policy, rows))
+        return HostTierManager(1, capacity, lambda rows: make_policy(policy, rows))
 
     def run(manager: Any) -> tuple[int, int]:
         lookup, prepare_store = manager.lookup, manager.prepare_store
         complete_store, touch = manager.complete_store, manager.touch
         # kvtier's contract: rows reported HIT stay unevictable until the step ends.
         end_step = getattr(manager, "on_schedule_end", None) or (lambda: None)
-        hit = LookupResult.HIT
+        hit = Lookup.HIT
         calls = keys = 0
         for request in requests:
             h = 0

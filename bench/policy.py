@@ -361,7 +361,7 @@ def print_throughput(name: str, throughput: dict[str, Any]) -> None:
         f"host {throughput['host_blocks']:,} blocks, best of {throughput['rounds']} rounds "
         "(kvtier and vLLM alternated)"
     )
-    print("   kvtier: offload.manager.OffloadingManager; vLLM: CPUOffloadingManager")
+    print("   kvtier: offload.manager.HostTierManager; vLLM: CPUOffloadingManager")
     for policy, ours in throughput["kvtier"].items():
         rates = f"{ours['calls_per_s']:>10,.0f} calls/s {ours['keys_per_s']:>11,.0f} keys/s"
         line = f"   kvtier {policy:<14}{rates}"

@@ -351,9 +351,9 @@ class _Child:
                 "lookups": manager.stats.lookups,
                 "hits": manager.stats.hits,
             }
-            if manager.lower is not None:
+            if manager.lower.tiers:
                 stats["lower"] = dataclasses.asdict(manager.lower.stats)
-                stats["lower_inflight"] = manager.lower.engine.inflight()
+                stats["lower_inflight"] = manager.inflight_below()
         return stats
 
     # -- helpers -----------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from offload.config import ConfigError, KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
-from offload.manager import LookupResult
+from offload.manager import Lookup
 from offload.row_layout import RowConverter, RowLayout
 from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
@@ -113,16 +113,18 @@ class Offloader:
         ``poll`` to load the longer prefix. From the first miss on, remote peers are asked
         in the background whether they hold the rest (another engine may have put it); a key
         still being asked (``lookup_wait_s``) ends the prefix like a miss until they answer.
+        A key whose promotion failed is a miss for a while
+        (``offload.tiering.RETRY_FAILED_PROMOTIONS_S``): the engine recomputes it.
         """
         hits: int | None = None
         found = len(keys)
         for count, key in enumerate(keys):
             result = self.manager.lookup(key)
-            if result is LookupResult.MISS or result is LookupResult.RETRY:
+            if result is Lookup.MISS or result is Lookup.RETRY:
                 self.manager.check_below(keys[count:])  # remote peers may hold the rest
                 found = count
                 break
-            if result is LookupResult.HIT_PENDING and hits is None:
+            if result is Lookup.HIT_PENDING and hits is None:
                 hits = count
         self.manager.poll()  # the promotions this lookup started go out as one request per tier
         return found if hits is None else hits
@@ -184,18 +186,15 @@ class Offloader:
 
     def wait_tiers(self, timeout: float = 10.0) -> None:
         """Block until lower-tier work (promotions, spills) has finished, then apply it."""
-        if self.manager.lower is not None:
-            self.manager.lower.engine.wait_idle(timeout)
+        self.manager.wait_idle(timeout)
         self.manager.poll()
 
     def stats(self) -> dict[str, object]:
         stats: dict[str, object] = asdict(self.manager.stats)
         lower = self.manager.lower
-        if lower is not None:
+        if lower.tiers:
             stats["lower"] = asdict(lower.stats)
-            converter = lower.engine.converter
-            landed = converter.converted if converter is not None else 0
-            stats["lower"]["rows_converted"] = landed + self.worker.rows_converted  # type: ignore[index]
+            stats["lower"]["rows_converted"] = lower.rows_converted + self.worker.rows_converted  # type: ignore[index]
             stats["tiers"] = {tier.kind: tier.stats() for tier in lower.tiers}
         return stats
 

@@ -1,8 +1,9 @@
-"""The offloading manager: which block lives in which host slot, who may evict it, and when.
+"""The host tier's manager: which block lives in which host slot, who may evict it, and when.
 
 It runs on the engine's scheduler thread, next to the engine's own prefix cache, so every
 method is synchronous bookkeeping that never blocks and never touches bytes. Its contract
-is vLLM's ``OffloadingManager``'s:
+is the one vLLM's ``OffloadingManager`` declares (``offload.vllm.manager_adapter`` maps one
+onto the other):
 
 - ``lookup(key)``: ``HIT`` when the row is in the host tier and readable, ``HIT_PENDING``
   when it will be (a store in flight), ``MISS`` otherwise.
@@ -24,12 +25,26 @@ is vLLM's ``OffloadingManager``'s:
   number are kept so (``STEP_HITS_MAX_SHARE``): a caller that never ends its steps protects
   its most recent unloaded hits (a warning says so once), not every row it ever hit.
 
-With tiers below the host (``lower``), a host miss that a lower tier holds starts a
-promotion into a freshly allocated host slot and answers ``HIT_PENDING`` until it lands;
-stored rows are copied down per placement (write-through at ``complete_store``,
-write-back before eviction), and eviction prefers rows already safe below. Finished
-lower-tier work is applied at the start of every call (and by ``poll``), so the state
-never changes behind the caller's back.
+Where a block goes, with tiers below the host (``lower``, an ``offload.tiering.
+LowerTierChain``; ``NoLowerTiers`` for a host-only stack):
+
+- a host miss that a lower tier holds (``LowerTierChain.locate``) gets a freshly allocated
+  host slot and a promotion into it, and answers ``HIT_PENDING`` until it lands; a
+  promotion that failed leaves its key a ``MISS`` for a while (the chain remembers it), so
+  the request recomputes it; a miss no tier is known to hold asks remote peers in the
+  background (``RETRY`` while they are asked, with ``lookup_wait_s``);
+- a stored row is copied down at ``complete_store`` to write-through tiers, and before its
+  eviction to write-back tiers (rows near the eviction end are spilled in the
+  background); until then it is *dirty*, and eviction prefers clean rows;
+- a row being copied down (``readers``) or promoted (not ready) is never evicted.
+
+Finished lower-tier work is applied at the start of every call, so the state never
+changes behind the caller's back; promotions queued by a step's lookups and peer checks go
+out together at ``on_schedule_end`` (``poll``, which it calls, does the same between
+steps). For front ends, instead of reaching into the chain: ``inflight_below`` (lower-tier
+operations in flight: keep stepping), ``wait_idle`` (block until there are none; the next
+call applies them) and ``observe_results`` (each finished operation with its tier and
+latency, the promotions landed and failed).
 
 The engine's lock (``lock``) is held by the caller across a scheduler step; no method
 takes it.
@@ -47,7 +62,7 @@ from itertools import islice
 
 from offload.keys import GROUP_BYTES, OffloadKey, key_group
 from offload.tier_engine import OpKind, OpResult
-from offload.tiering import LowerTierChain
+from offload.tiering import LowerTierChain, NoLowerTiers, TierObserver
 from policies import EvictionPolicy
 from tiers.host import SlotAllocator
 
@@ -69,11 +84,10 @@ trace with 8,192 / 18,279 host rows, driven as vLLM drives the manager but never
 step, the hit ratio fell from 0.108 / 0.216 to 0.047 / 0.139 and calls/s 25-80x; bounded,
 0.110 / 0.216, the calls/s of a caller that ends its steps within noise."""
 
-PROMOTION_BATCH = 256
-"""Queued promotions of one tier are sent at the latest when this many wait (else at ``poll``)."""
 
+class Lookup(enum.Enum):
+    """What ``lookup`` found for a key."""
 
-class LookupResult(enum.Enum):
     MISS = "miss"
     HIT = "hit"
     HIT_PENDING = "hit_pending"
@@ -108,14 +122,18 @@ class HostSlots:
 
 
 @dataclass(frozen=True)
-class PrepareStoreOutput:
+class StorePlan:
+    """What ``prepare_store`` decided: the keys to copy out, their slots, the rows evicted."""
+
     keys_to_store: list[OffloadKey]
     store_spec: HostSlots
     evicted_keys: list[OffloadKey]
 
 
 @dataclass(frozen=True)
-class OffloadingEvent:
+class TierEvent:
+    """Keys stored in (or removed from) the tier ``medium``, for ``take_events``."""
+
     keys: list[OffloadKey]
     medium: str
     removed: bool
@@ -153,13 +171,13 @@ class _Events:
     stored_below: dict[str, dict[OffloadKey, None]] = field(default_factory=dict)
 
 
-class OffloadingManager:
+class HostTierManager:
     """Host-tier bookkeeping for ``num_groups`` KV groups of ``slots_per_group`` rows each.
 
     ``make_policy(capacity)`` builds one eviction policy per group: slots of one group
     can only be freed by evicting keys of that group. ``lower`` is the chain of tiers
     below the host and ``host_row(group, slot)`` the bytes of a host row (what the lower
-    tiers read and write); both or neither.
+    tiers read and write); both or neither (neither: a host-only stack, ``NoLowerTiers``).
     """
 
     def __init__(
@@ -185,7 +203,7 @@ class OffloadingManager:
         self._events = _Events()
         self.stats = ManagerStats()
         self._lock = threading.RLock()
-        self.lower = lower
+        self.lower: LowerTierChain = lower if lower is not None else NoLowerTiers()
         self._host_row = host_row
         # Rows reported HIT this step and not yet pinned, oldest first.
         self._step_hits: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -193,7 +211,12 @@ class OffloadingManager:
         self._warned_step_hits = False
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
-        self._promotions: dict[int, list[OffloadKey]] = {}  # per tier: queued until the next poll
+        if not self.lower.tiers:
+            # Host only: nothing below to apply, promote, ask or count for admission. Bound
+            # once, so the hot path does not pay for calls into ``NoLowerTiers`` (measured:
+            # 2-5% of calls/s on the shipped trace).
+            self.lookup = self._lookup_host  # type: ignore[method-assign]
+            self.poll = _nothing_below  # type: ignore[method-assign]
 
     @property
     def lock(self) -> threading.RLock:
@@ -202,24 +225,25 @@ class OffloadingManager:
 
     # -- lookups and loads -------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey) -> LookupResult:
-        if self.lower is not None:
+    def lookup(self, key: OffloadKey) -> Lookup:
+        """Where ``key`` is: in the host tier (``_lookup_host``), else below (``_look_below``)."""
+        lower = self.lower
+        if lower.has_results():
             self.apply_finished()  # not poll(): promotions queued by this step's lookups go out together
+        found = self._lookup_host(key)
+        if found is Lookup.MISS:
+            return self._look_below(key)
+        self._last_lookup[key_group(key)] = key
+        if found is Lookup.HIT:
+            lower.observe(key)
+        return found
+
+    def _lookup_host(self, key: OffloadKey) -> Lookup:
+        """``lookup`` in the host tier alone: a host-only manager's ``lookup`` (bound in ``__init__``)."""
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
-            if self.lower is not None:
-                if self._promote(key):
-                    self._last_lookup[key_group(key)] = key
-                    self.stats.pending += 1
-                    return LookupResult.HIT_PENDING
-                self.lower.ask_later([key])
-                if self.lower.asking(key):
-                    self.stats.retries += 1
-                    return LookupResult.RETRY
-            return LookupResult.MISS
-        if self.lower is not None:
-            self._last_lookup[row.group] = key
+            return Lookup.MISS
         if row.ready:
             self.stats.hits += 1
             step_hits = self._step_hits
@@ -227,11 +251,22 @@ class OffloadingManager:
                 step_hits[key] = None
                 if len(step_hits) > self._step_hits_max:
                     self._drop_oldest_step_hit()
-            if self.lower is not None:
-                self.lower.observe(key)
-            return LookupResult.HIT
+            return Lookup.HIT
         self.stats.pending += 1
-        return LookupResult.HIT_PENDING
+        return Lookup.HIT_PENDING
+
+    def _look_below(self, key: OffloadKey) -> Lookup:
+        """A host miss: promote ``key`` from a tier that holds it, else ask the peers about it."""
+        lower = self.lower
+        tier = lower.locate(key)
+        if tier is not None and self._promote(key, tier):
+            self._last_lookup[key_group(key)] = key
+            self.stats.pending += 1
+            return Lookup.HIT_PENDING
+        if lower.ask(key):
+            self.stats.retries += 1
+            return Lookup.RETRY
+        return Lookup.MISS
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> HostSlots:
         """Pin readable rows for loading; all or none (a key that is not a HIT raises)."""
@@ -284,7 +319,7 @@ class OffloadingManager:
 
     # -- stores ------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> StorePlan | None:
         self.poll()
         rows = self._rows
         new_keys = [key for key in dict.fromkeys(keys) if key not in rows]
@@ -313,11 +348,11 @@ class OffloadingManager:
         for group, run, parent in _new_runs(keys, group_of):
             self._policies[group].on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
-        return PrepareStoreOutput(new_keys, HostSlots(new_keys, slots), evicted)
+        return StorePlan(new_keys, HostSlots(new_keys, slots), evicted)
 
     def _prepare_store_one_group(
         self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey]
-    ) -> PrepareStoreOutput | None:
+    ) -> StorePlan | None:
         """``prepare_store`` with one KV group (most models): no per-key group bookkeeping."""
         for key in new_keys:
             if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
@@ -338,7 +373,7 @@ class OffloadingManager:
             for _, run, parent in _new_runs(keys, dict.fromkeys(new_keys, 0)):
                 policy.on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
-        return PrepareStoreOutput(new_keys, HostSlots(new_keys, slots), evicted)
+        return StorePlan(new_keys, HostSlots(new_keys, slots), evicted)
 
     def _room_for(
         self, new_keys: list[OffloadKey], wanted: list[int], keys: Sequence[OffloadKey]
@@ -346,9 +381,7 @@ class OffloadingManager:
         """Count ``new_keys`` for the admission rules below, then evict so each group has
         ``wanted[group]`` free slots (never a key of ``keys``): the victims, or ``None``
         (a rejected store, counted) and no change."""
-        if self.lower is not None:
-            for key in new_keys:
-                self.lower.observe(key)
+        self.lower.computed(new_keys)
         evicted = self._make_room(wanted, protected=keys)
         if evicted is None:
             self.stats.rejected_stores += 1
@@ -358,7 +391,8 @@ class OffloadingManager:
         self.poll()
         stored: list[OffloadKey] = []
         rows, stored_events = self._rows, self._events.stored
-        dirty = self.lower is not None and self.lower.has_write_back
+        lower = self.lower
+        dirty = lower.has_write_back
         for key in keys:
             row = rows.get(key)
             if row is None or row.ready:
@@ -375,8 +409,9 @@ class OffloadingManager:
                 self._drop(key, removed_event=False)
                 self.stats.failed_stores += 1
         self.stats.stored_rows += len(stored)
-        if stored and self.lower is not None:
-            self._copy_down(stored, on_evict=False)
+        if stored:
+            if lower.has_write_through:
+                self._copy_down(stored, on_evict=False)
             self._write_back()  # rows stored near the eviction end start their way down now
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -394,15 +429,15 @@ class OffloadingManager:
         self._last_lookup.clear()
         self.poll()
 
-    def take_events(self) -> list[OffloadingEvent]:
+    def take_events(self) -> list[TierEvent]:
         self.poll()
         events = []
         if self._events.removed:
-            events.append(OffloadingEvent(list(self._events.removed), HOST_MEDIUM, removed=True))
+            events.append(TierEvent(list(self._events.removed), HOST_MEDIUM, removed=True))
         if self._events.stored:
-            events.append(OffloadingEvent(list(self._events.stored), HOST_MEDIUM, removed=False))
+            events.append(TierEvent(list(self._events.stored), HOST_MEDIUM, removed=False))
         for medium, keys in self._events.stored_below.items():
-            events.append(OffloadingEvent(list(keys), medium, removed=False))
+            events.append(TierEvent(list(keys), medium, removed=False))
         self._events = _Events()
         return events
 
@@ -417,28 +452,22 @@ class OffloadingManager:
             return False
         self._drop_many(list(self._rows))  # every row is readable here
         self._policies = [self._make_policy(self.slots_per_group) for _ in range(self.num_groups)]
+        self.lower.forget_failures()  # every key may be promoted again
         return True
 
     def poll(self) -> None:
         """Send queued promotions and checks below, and apply finished lower-tier work."""
-        if self.lower is None:
-            return
-        self._flush_promotions()
-        self.lower.flush_asks()
+        self._drop_refused(self.lower.send())
         self.apply_finished()
 
     def apply_finished(self) -> None:
         """Apply finished lower-tier work: promoted rows become readable, spilled rows clean."""
-        if self.lower is None:
-            return
-        results = self.lower.drain()
+        results = self.lower.finished()
         for result in results:
             if result.kind is OpKind.GET:
                 self._finish_promotion(result)
             elif result.kind is OpKind.PUT:
                 self._finish_copy_down(result)
-            else:
-                self.lower.learn(result)
         if results:
             self._write_back()  # rows that finished copying may have left room for more
 
@@ -448,13 +477,28 @@ class OffloadingManager:
         A lookup stops at its first miss; an engine that knows the rest of the prefix passes
         it here so that one round trip finds the whole prefix for the next request.
         """
-        if self.lower is not None:
-            self.lower.ask_later(key for key in keys if key not in self._rows)
-            self.lower.flush_asks()
+        self.lower.check(key for key in keys if key not in self._rows)
+
+    # -- for front ends ----------------------------------------------------------------
+
+    def inflight_below(self) -> int:
+        """Lower-tier operations (promotions, spills, peer checks) submitted and not yet
+        finished: a front end keeps stepping while there are some."""
+        return self.lower.inflight()
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Block until no lower-tier operation is in flight (``True``) or ``timeout`` passes
+        (``False``). Nothing is applied here: the next call (or ``poll``) applies it."""
+        return self.lower.wait_idle(timeout)
+
+    def observe_results(self, observer: TierObserver) -> None:
+        """Call ``observer`` with every finished lower-tier operation as it is applied: its
+        tier, latency, and for promotions the keys landed and failed (those stay misses for
+        ``offload.tiering.RETRY_FAILED_PROMOTIONS_S``). Never called without tiers below."""
+        self.lower.observe_results(observer)
 
     def shutdown(self) -> None:
-        if self.lower is not None:
-            self.lower.close()
+        self.lower.close()
 
     def contains(self, key: OffloadKey) -> bool:
         return key in self._rows
@@ -494,8 +538,8 @@ class OffloadingManager:
                 del stored[key]
             else:
                 removed[key] = None
-        if dirty and self.lower is not None:
-            self.lower.stats.dirty_dropped += dirty
+        if dirty:
+            self.lower.dropped_dirty(dirty)
         for group, slots in enumerate(freed):
             if slots:
                 self._allocators[group].free(slots)
@@ -509,7 +553,7 @@ class OffloadingManager:
     def _evictable(self, protected: set[OffloadKey], *, clean_only: bool) -> Callable[[object], bool]:
         """Whether a row may go: readable, not pinned or read, not protected by the call or the step."""
         rows, step_hits = self._rows, self._step_hits
-        if not clean_only or self.lower is None:  # without tiers below no row is dirty
+        if not clean_only or not self.lower.has_write_back:  # without write-back tiers no row is dirty
 
             def evictable_any(key: object) -> bool:
                 row = rows[key]  # type: ignore[index]
@@ -541,7 +585,7 @@ class OffloadingManager:
                 protected_set = set(protected)
             policy = self._policies[group]
             chosen = policy.evict(short, self._evictable(protected_set, clean_only=True))
-            if chosen is None and self.lower is not None and self.lower.has_write_back:
+            if chosen is None and self.lower.has_write_back:
                 chosen = policy.evict(short, self._evictable(protected_set, clean_only=False))
             if chosen is None:
                 self._restore(victims)
@@ -552,12 +596,9 @@ class OffloadingManager:
         self.stats.evictions += len(evicted)
         return evicted
 
-    def _promote(self, key: OffloadKey) -> bool:
-        """Start copying ``key`` up from the first lower tier that holds it; ``False`` if none can."""
-        assert self.lower is not None and self._host_row is not None
-        tier = self.lower.locate(key)
-        if tier is None:
-            return False
+    def _promote(self, key: OffloadKey, tier: int) -> bool:
+        """Start copying ``key`` up from ``tier`` into a fresh host row; ``False`` if no row can be freed."""
+        assert self._host_row is not None
         group = self._group(key)
         wanted = [0] * self.num_groups
         wanted[group] = 1
@@ -568,26 +609,18 @@ class OffloadingManager:
         slot = allocated[0]
         self._rows[key] = _Row(group, slot)
         self._policies[group].on_insert(key, self._last_lookup.get(group))
-        queue = self._promotions.setdefault(tier, [])
-        queue.append(key)
-        if len(queue) >= PROMOTION_BATCH:
-            self._flush_promotions()
+        self._drop_refused(self.lower.promote(tier, key, self._host_row(group, slot)))
         return True
 
-    def _flush_promotions(self) -> None:
-        """Send queued promotions, one operation per tier: a prefix moves in one request."""
-        assert self._host_row is not None
-        while self._promotions:
-            tier, keys = self._promotions.popitem()
-            rows = [(bytes(key), self._host_row(self._rows[key].group, self._rows[key].slot)) for key in keys]
-            if self.lower is not None and self.lower.get(tier, rows) is not None:
-                continue
-            for key in keys:  # the tier is saturated: these stay misses
-                self._policies[self._rows[key].group].on_remove(key)
-                self._drop(key, removed_event=False)
+    def _drop_refused(self, keys: Sequence[bytes]) -> None:
+        """Free the rows of promotions their tier refused (saturated): those keys stay misses."""
+        for key in keys:
+            key = OffloadKey(key)
+            self._policies[self._rows[key].group].on_remove(key)
+            self._drop(key, removed_event=False)
 
     def _finish_promotion(self, result: OpResult) -> None:
-        assert self.lower is not None
+        """Promoted rows become readable; failed ones are freed (the chain remembers the keys)."""
         layouts = result.layouts or [None] * len(result.keys)
         for key, ok, layout in zip(result.keys, result.ok, layouts, strict=True):
             key = OffloadKey(key)
@@ -598,10 +631,7 @@ class OffloadingManager:
                 row.ready = True
                 row.layout = layout
                 self._events.stored[key] = None
-                self.lower.stats.promotions_done += 1
                 continue
-            self.lower.stats.promotions_failed += 1
-            self.lower.forget(key)
             self._policies[row.group].on_remove(key)
             if result.abandoned:  # the tier may still write into the slot: it never returns to use
                 del self._rows[key]
@@ -611,25 +641,23 @@ class OffloadingManager:
 
     def _copy_down(self, keys: Sequence[OffloadKey], *, on_evict: bool) -> None:
         """Start copying host rows to the tiers that take them (write-back or write-through)."""
-        assert self.lower is not None and self._host_row is not None
-        by_tier: dict[int, list[OffloadKey]] = {}
-        for key in keys:
-            targets = self.lower.targets(key, on_evict=on_evict)
-            if on_evict and not targets:
-                self._rows[key].dirty = False  # not admitted below: nothing to keep it for
-            for tier in targets:
-                by_tier.setdefault(tier, []).append(key)
-        for tier, tier_keys in by_tier.items():
-            rows = [(bytes(k), self._host_row(self._rows[k].group, self._rows[k].slot)) for k in tier_keys]
-            if self.lower.put(tier, rows) is None:
-                continue  # saturated: write-back rows stay dirty and are retried later
-            for key in tier_keys:
-                self._rows[key].readers += 1
+        rows = self._rows
+        copying, unwanted = self.lower.spill(keys, self._row_bytes, on_evict=on_evict)
+        if on_evict:
+            for key in unwanted:
+                rows[OffloadKey(key)].dirty = False  # not admitted below: nothing to keep it for
+        for key in copying:
+            rows[OffloadKey(key)].readers += 1
+
+    def _row_bytes(self, key: bytes) -> memoryview:
+        assert self._host_row is not None
+        row = self._rows[OffloadKey(key)]
+        return self._host_row(row.group, row.slot)
 
     def _finish_copy_down(self, result: OpResult) -> None:
-        assert self.lower is not None
+        """Copied rows may be read again; write-back ones are clean (or not worth retrying)."""
         medium = self.lower.tier_kind(result.tier)
-        write_back = self.lower.placements[result.tier].copy_down_on_evict()
+        write_back = self.lower.writes_back(result.tier)
         for key, ok in zip(result.keys, result.ok, strict=True):
             key = OffloadKey(key)
             row = self._rows.get(key)
@@ -639,13 +667,10 @@ class OffloadingManager:
                     row.dirty = False  # copied, or failed and not worth retrying
             if ok:
                 self._events.stored_below.setdefault(medium, {})[key] = None
-                self.lower.stats.spills_done += 1
-            else:
-                self.lower.stats.spills_failed += 1
 
     def _write_back(self, extra: int = 0) -> None:
         """Copy down dirty rows near the eviction end, so victims are clean when room is needed."""
-        if self.lower is None or not self.lower.has_write_back:
+        if not self.lower.has_write_back:
             return
         window = self._writeback_window + extra
         for policy in self._policies:
@@ -662,6 +687,10 @@ class OffloadingManager:
         for group, chosen in victims.items():
             for key in chosen:
                 self._policies[group].on_insert(key)
+
+
+def _nothing_below() -> None:
+    """``poll`` of a host-only manager: nothing below to send or apply."""
 
 
 def _new_runs(

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from offload.manager import OffloadingManager
+    from offload.manager import HostTierManager
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Family:
 
 
 def manager_families(
-    manager: OffloadingManager,
+    manager: HostTierManager,
     row_bytes: int,
     *,
     latency: Mapping[tuple[str, str], Histogram] | None = None,
@@ -150,7 +150,7 @@ def manager_families(
     families["rows"].add(len(manager), "host")
     families["capacity_bytes"].add(manager.slots_per_group * manager.num_groups * row_bytes, "host")
     lower = manager.lower
-    if lower is not None:
+    if lower.tiers:
         chain = lower.stats
         families["promotions"].add(chain.promotions_done, "done")
         families["promotions"].add(chain.promotions_failed, "failed")

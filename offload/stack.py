@@ -8,7 +8,7 @@ shared-memory mapping in vLLM's scheduler process).
 from __future__ import annotations
 
 from offload.config import KVTierConfig
-from offload.manager import OffloadingManager
+from offload.manager import HostTierManager
 from offload.namespace import Namespace
 from offload.row_layout import RowConverter
 from offload.tier_engine import TierEngine
@@ -27,7 +27,7 @@ def build_manager(
     shard: tuple[int, int] = (0, 1),
     converter: RowConverter | None = None,
     convert_on_landing: bool = True,
-) -> OffloadingManager:
+) -> HostTierManager:
     """The manager for ``host``, with every lower tier of ``config`` opened and running.
 
     ``fingerprint`` is the layout fingerprint of the rows (``CanonicalKVCaches.fingerprint``);
@@ -50,7 +50,7 @@ def build_manager(
         convert_on_landing=convert_on_landing,
     )
     host_rows = [slab.numpy() for slab in host.slabs]
-    return OffloadingManager(
+    return HostTierManager(
         host.num_groups,
         host.num_slots,
         lambda capacity: make_policy(host_cfg.eviction, capacity, **host_cfg.eviction_params),

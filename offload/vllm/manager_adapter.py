@@ -1,4 +1,4 @@
-"""kvtier's ``OffloadingManager`` behind vLLM's manager interface (scheduler process).
+"""kvtier's ``HostTierManager`` behind vLLM's ``OffloadingManager`` interface (scheduler process).
 
 The two contracts are the same by design (lookup / prepare_load / touch / complete_load /
 prepare_store / complete_store / events, one lock held by the caller across a step); this
@@ -9,9 +9,11 @@ adapter adds what only vLLM needs:
   no-op when the two agree, as they do unless some group is not offloaded).
 - **Failed promotions stay misses.** vLLM asserts that every device transfer succeeds, so
   a row that fails to come up from disk or a peer must never reach a load: a lookup that
-  started a promotion answers ``HIT_PENDING``; once the promotion has failed the key is a
-  ``MISS`` (and is not promoted again for ``retry_failed_promotions_s``), so the request
-  recomputes it.
+  started a promotion answers ``HIT_PENDING``; once the promotion has failed the manager
+  answers ``MISS`` (and does not promote the key again for a while,
+  ``offload.tiering.RETRY_FAILED_PROMOTIONS_S``), so the request recomputes it. The adapter
+  observes the manager's results (``observe_results``) to log failures and to tell vLLM which
+  tier a promoted row came from.
 - **reset_cache.** vLLM forgets its in-flight jobs at a reset and never completes them;
   their pins and unfinished stores are released here, lower-tier work is drained, and the
   host tier is emptied. Until vLLM reports the reset's jobs flushed (``on_reset_flushed``;
@@ -47,10 +49,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from offload.manager import LookupResult as KVTierLookup
-from offload.manager import OffloadingManager as KVTierManager
+from offload.manager import HostTierManager, Lookup
 from offload.metrics import manager_families
-from offload.tier_engine import OpKind, OpResult
+from offload.tier_engine import OpKind
+from offload.tiering import TierOutcome
 from offload.vllm.compat import HAS_RESET_FENCE, UNFENCED_RESET_STEPS, ConfigInfo, ConfigInfoMapping
 from offload.vllm.metrics import LatencyRecorder, StatsReporter
 from offload.vllm.worker_adapter import HostRowsSpec
@@ -59,17 +61,17 @@ from tiers.host import HostTier
 log = logging.getLogger(__name__)
 
 _LOOKUP = {
-    KVTierLookup.HIT: LookupResult.HIT,
-    KVTierLookup.HIT_PENDING: LookupResult.HIT_PENDING,
-    KVTierLookup.MISS: LookupResult.MISS,
+    Lookup.HIT: LookupResult.HIT,
+    Lookup.HIT_PENDING: LookupResult.HIT_PENDING,
+    Lookup.MISS: LookupResult.MISS,
     # Peers are being asked (lookup_wait_s): vLLM defers the request and keeps looking up the
     # rest of its prefix, so every key of it is asked in the same round trip.
-    KVTierLookup.RETRY: LookupResult.RETRY,
+    Lookup.RETRY: LookupResult.RETRY,
 }
 _MEDIUM = {"host": (Medium.CPU, Locality.LOCAL), "disk": (Medium.STORAGE, Locality.LOCAL)}
 _SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
 _DRAIN_TIMEOUT_S = 10.0
-_FAILED_PROMOTIONS_KEPT = 65536
+_SOURCES_KEPT = 65536
 
 
 @dataclass(frozen=True)
@@ -85,20 +87,18 @@ class KVTierInfo(ConfigInfo):
 class KVTierOffloadingManager(OffloadingManager):
     def __init__(
         self,
-        manager: KVTierManager,
+        manager: HostTierManager,
         host: HostTier,
         *,
         group_ids: Sequence[int],
         row_bytes: int,
         blocks_per_chunk: int,
         enable_events: bool,
-        retry_failed_promotions_s: float = 60.0,
     ) -> None:
         self.manager = manager
         self.host = host
         self.row_bytes = row_bytes
         self.enable_events = enable_events
-        self.retry_failed_promotions_s = retry_failed_promotions_s
         identity = list(group_ids) == list(range(len(group_ids)))
         self._to_index = None if identity else {gid: i for i, gid in enumerate(group_ids)}
         self._to_group_id = None if identity else list(group_ids)
@@ -106,9 +106,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self._pins: collections.Counter[OffloadKey] = collections.Counter()
         self._load_started: dict[OffloadKey, float] = {}
         self._storing: dict[OffloadKey, float] = {}
-        # Promotions this adapter saw start: key -> (start time, tier kind); failed ones.
-        self._promoting: dict[OffloadKey, tuple[float, str]] = {}
-        self._failed: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
+        # Promoted rows not loaded yet: key -> the kind of the tier they came from.
         self._source: collections.OrderedDict[OffloadKey, str] = collections.OrderedDict()
         self._reset_pending = False
         self._flush_pending = False
@@ -118,13 +116,12 @@ class KVTierOffloadingManager(OffloadingManager):
         self.loads_by_tier: collections.Counter[str] = collections.Counter()
         self._reporter = StatsReporter()
         self._info = KVTierInfo(
-            kvtier_tiers=",".join(["host", *(t.kind for t in self._lower_tiers())]),
+            kvtier_tiers=",".join(["host", *(t.kind for t in manager.lower.tiers)]),
             kvtier_host_slots=manager.slots_per_group,
             kvtier_row_bytes=row_bytes,
             kvtier_blocks_per_chunk=blocks_per_chunk,
         )
-        if manager.lower is not None:
-            self._observe_tier_ops()
+        manager.observe_results(self._tier_result)
 
     @property
     def lock(self) -> Any:
@@ -137,28 +134,11 @@ class KVTierOffloadingManager(OffloadingManager):
         manager = self.manager
         if self._reset_pending and not self._retry_reset():
             return self._miss()
-        manager.apply_finished()  # queued promotions go out together at on_schedule_end
-        if key in self._promoting and not manager.contains(key):
-            self._promotion_failed(key)
-        failed_at = self._failed.get(key)
-        if failed_at is not None:
-            if time.monotonic() - failed_at < self.retry_failed_promotions_s:
-                return self._miss()
-            del self._failed[key]
-        present = manager.contains(key)
-        tier = None
-        if not present:
-            if self._flush_pending:
+        if self._flush_pending:
+            manager.apply_finished()  # a failed promotion frees its row: then it is not present
+            if not manager.contains(key):
                 return self._miss()  # no promotion may start until the reset's jobs are flushed
-            tier = self._locate(key)
-        result = manager.lookup(key)
-        if result is KVTierLookup.HIT_PENDING and tier is not None:
-            self._promoting[key] = (time.monotonic(), tier)
-        elif result is KVTierLookup.HIT and key in self._promoting:
-            self._source[key] = self._promoting.pop(key)[1]
-            while len(self._source) > _FAILED_PROMOTIONS_KEPT:
-                self._source.popitem(last=False)
-        return _LOOKUP[result]
+        return _LOOKUP[manager.lookup(key)]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return _SOURCE.get(self._source.get(self._in(key), "host"), CacheHitSource.EXTERNAL_UNSPECIFIED)
@@ -202,8 +182,7 @@ class KVTierOffloadingManager(OffloadingManager):
         now = time.monotonic()
         for key in prepared.keys_to_store:
             self._storing[key] = now
-            self._failed.pop(key, None)
-            self._promoting.pop(key, None)
+            self._source.pop(key, None)  # the engine's own copy now
         spec = prepared.store_spec
         return PrepareStoreOutput(
             keys_to_store=[self._out(key) for key in prepared.keys_to_store],
@@ -240,9 +219,8 @@ class KVTierOffloadingManager(OffloadingManager):
             self.manager.take_events()  # nobody publishes them: do not let them pile up
 
     def has_pending_work(self) -> bool:
-        lower = self.manager.lower
         unfenced_flush = self._flush_pending and not HAS_RESET_FENCE  # keep stepping until it is deemed done
-        return self._reset_pending or unfenced_flush or (lower is not None and lower.engine.inflight() > 0)
+        return self._reset_pending or unfenced_flush or self.manager.inflight_below() > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.manager.take_events()
@@ -278,10 +256,8 @@ class KVTierOffloadingManager(OffloadingManager):
         self._pins.clear()
         self._load_started.clear()
         self._storing.clear()
-        self._promoting.clear()
-        self._failed.clear()
         self._source.clear()
-        if manager.lower is not None and not manager.lower.engine.wait_idle(_DRAIN_TIMEOUT_S):
+        if not manager.wait_idle(_DRAIN_TIMEOUT_S):
             log.warning("kvtier reset: lower-tier transfers still running after %.0f s", _DRAIN_TIMEOUT_S)
         self._reset_pending = True
         if self._retry_reset():
@@ -337,39 +313,14 @@ class KVTierOffloadingManager(OffloadingManager):
         self.manager.stats.lookups += 1
         return LookupResult.MISS
 
-    def _lower_tiers(self) -> list[Any]:
-        return list(self.manager.lower.tiers) if self.manager.lower is not None else []
-
-    def _locate(self, key: OffloadKey) -> str | None:
-        lower = self.manager.lower
-        if lower is None:
-            return None
-        index = lower.locate(key)
-        return None if index is None else lower.tier_kind(index)
-
-    def _promotion_failed(self, key: OffloadKey) -> None:
-        _start, tier = self._promoting.pop(key)
-        self._failed[key] = time.monotonic()
-        while len(self._failed) > _FAILED_PROMOTIONS_KEPT:
-            self._failed.popitem(last=False)
-        log.info("kvtier: promoting %s from the %s tier failed; it is a miss", key.hex(), tier)
-
-    def _observe_tier_ops(self) -> None:
-        """Record the latency of every lower-tier operation as the manager drains it.
-
-        The chain's ``drain`` is wrapped on this instance only: the manager still sees
-        every result unchanged.
-        """
-        chain = self.manager.lower
-        assert chain is not None
-        drain = chain.drain
-        latency = self.latency
-
-        def observed_drain() -> list[OpResult]:
-            results = drain()
-            for result in results:
-                op = "load" if result.kind is OpKind.GET else "store"
-                latency.observe(op, chain.tier_kind(result.tier), result.seconds)
-            return results
-
-        chain.drain = observed_drain  # type: ignore[method-assign]
+    def _tier_result(self, outcome: TierOutcome) -> None:
+        """Observe a finished lower-tier operation (``HostTierManager.observe_results``): its
+        latency, where promoted rows came from, and failed promotions (misses from now on)."""
+        op = "load" if outcome.kind is OpKind.GET else "store"
+        self.latency.observe(op, outcome.tier, outcome.seconds)
+        for key in outcome.landed:
+            self._source[OffloadKey(key)] = outcome.tier
+        while len(self._source) > _SOURCES_KEPT:
+            self._source.popitem(last=False)
+        for key in outcome.failed:
+            log.info("kvtier: promoting %s from the %s tier failed; it is a miss", key.hex(), outcome.tier)

@@ -6,21 +6,21 @@ import pytest
 
 from offload import manager as manager_module
 from offload.keys import make_key
-from offload.manager import LookupResult, OffloadingManager
+from offload.manager import HostTierManager, Lookup
 from policies.lru import LRUPolicy
 
-MISS, HIT, PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+MISS, HIT, PENDING = Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING
 
 
 def k(i: int, group: int = 0) -> bytes:
     return make_key(i.to_bytes(8, "big"), group)
 
 
-def manager(slots: int = 4, groups: int = 1) -> OffloadingManager:
-    return OffloadingManager(groups, slots, LRUPolicy)
+def manager(slots: int = 4, groups: int = 1) -> HostTierManager:
+    return HostTierManager(groups, slots, LRUPolicy)
 
 
-def stored(m: OffloadingManager, *ids: int, group: int = 0) -> None:
+def stored(m: HostTierManager, *ids: int, group: int = 0) -> None:
     keys = [k(i, group) for i in ids]
     out = m.prepare_store(keys)
     assert out is not None
@@ -222,7 +222,7 @@ def test_a_pinned_hit_needs_no_step_protection():
     assert m.prepare_store([k(3)]).evicted_keys == [k(1)]
 
 
-def _replay(m: OffloadingManager, requests: list[list[bytes]], end_steps: bool, load: bool) -> int:
+def _replay(m: HostTierManager, requests: list[list[bytes]], end_steps: bool, load: bool) -> int:
     """Drive ``m`` as vLLM's scheduler does, one request a step: lookups up to the first
     miss, the hits loaded (``load``) and touched, the rest stored; hits counted."""
     hits = 0
@@ -293,10 +293,21 @@ class RunRecorder(LRUPolicy):
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_new_keys_reach_the_policy_as_runs_with_their_parent(groups):
-    m = OffloadingManager(groups, 8, RunRecorder)
+    m = HostTierManager(groups, 8, RunRecorder)
     stored(m, 1, 2, 5)
     out = m.prepare_store([k(i) for i in (1, 2, 3, 4, 5, 6)])
     assert out.keys_to_store == [k(3), k(4), k(6)]
     runs = m._policies[0].runs
     assert runs[0] == ([k(1), k(2), k(5)], None)  # every key new: one run
     assert runs[1:] == [([k(3), k(4)], k(2)), ([k(6)], k(5))]
+
+
+def test_a_host_only_manager_has_no_work_below():
+    m = manager()
+    outcomes = []
+    m.observe_results(outcomes.append)
+    stored(m, 1, 2)
+    assert m.lookup(k(3)) is MISS
+    m.poll()
+    assert (m.inflight_below(), m.wait_idle(0), outcomes) == (0, True, [])
+    assert m.lower.tiers == [] and not m.lower.has_write_back

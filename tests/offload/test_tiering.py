@@ -1,5 +1,8 @@
 """Spill and promotion through a real disk tier (LMDB in a temporary folder)."""
 
+import asyncio
+import threading
+
 import pytest
 import torch
 
@@ -178,3 +181,81 @@ def test_a_locked_disk_tier_is_a_clear_error_at_start(tmp_path, layout):
     cfg = config(tmp_path, 4, row)
     with Offloader(kv, groups, cfg), pytest.raises(TierError, match="lock"):
         Offloader(kv, groups, cfg)
+
+
+def failing_gets(tier) -> list[int]:
+    """Make ``tier``'s reads fail from now on (as a flaky peer's would); counts the calls."""
+    calls: list[int] = []
+
+    async def get(rows, layouts=None) -> list[bool]:
+        calls.append(len(rows))
+        return [False] * len(rows)
+
+    tier.get = get
+    return calls
+
+
+def test_a_failed_promotion_stays_a_miss_for_a_while_and_is_observed(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        keys = keys_for("fail", 4)
+        store_each(offloader, keys, range(4))
+        manager = offloader.manager
+        outcomes = []
+        manager.observe_results(outcomes.append)
+        disk = manager.lower.tiers[0]
+        calls = failing_gets(disk)
+        assert promote(offloader, keys[:1]) == 0
+        assert [(o.tier, o.landed, o.failed) for o in outcomes] == [("disk", [], [keys[0]])]
+        assert disk.may_contain(keys[0])  # still on disk: only the read failed
+        for _ in range(3):  # not promoted again: a miss, so the engine recomputes it
+            assert promote(offloader, keys[:1]) == 0
+        assert calls == [1]
+        assert offloader.stats()["lower"]["promotions_failed"] == 1
+        manager.lower.retry_failed_s = 0.0  # the while is over: tried again
+        assert promote(offloader, keys[:1]) == 0
+        assert calls == [1, 1]
+
+
+def test_a_failed_promotion_is_forgotten_once_the_block_is_stored_again(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        keys = keys_for("again", 3)
+        store_each(offloader, keys, range(3))
+        disk = offloader.manager.lower.tiers[0]
+        calls = failing_gets(disk)
+        assert promote(offloader, keys[:1]) == 0
+        del disk.get  # the tier reads again
+        store_each(offloader, keys[:1], [0])  # the engine recomputed it
+        store_each(offloader, keys[1:], [1, 2])  # evicts it again
+        assert promote(offloader, keys[:1]) == 1  # promoted: the failure no longer counts
+        assert calls == [1]
+
+
+def test_front_end_verbs_in_flight_wait_idle_and_observed_results(tmp_path, layout):
+    kv, groups, row = layout
+    with Offloader(kv, groups, config(tmp_path, 2, row, placement="write-through")) as offloader:
+        manager = offloader.manager
+        keys = keys_for("verbs", 3)
+        store_each(offloader, keys, range(3))  # keys[0]: on disk only
+        outcomes = []
+        manager.observe_results(outcomes.append)
+        disk = manager.lower.tiers[0]
+        release = threading.Event()
+        read = disk.get
+
+        async def slow_get(rows, layouts=None) -> list[bool]:
+            await asyncio.to_thread(release.wait, 10)
+            return await read(rows, layouts)
+
+        disk.get = slow_get
+        assert offloader.lookup(keys[:1]) == 0  # the promotion went out
+        assert manager.inflight_below() == 1
+        assert not manager.wait_idle(0.05)
+        release.set()
+        assert manager.wait_idle(10)
+        assert manager.inflight_below() == 0
+        assert outcomes == []  # finished, not applied yet: the next call applies it
+        assert offloader.lookup(keys[:1]) == 1
+        assert [(o.tier, o.landed, o.failed) for o in outcomes] == [("disk", [keys[0]], [])]
+        assert outcomes[0].seconds >= 0.05

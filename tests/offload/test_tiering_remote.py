@@ -6,7 +6,7 @@ import pytest
 
 from offload.api import Offloader
 from offload.keys import make_key
-from offload.manager import LookupResult
+from offload.manager import Lookup
 from tests.offload.layouts import per_layer_blocks_first, scramble
 from tests.tiers.peer_fixtures import start_peers
 
@@ -150,13 +150,13 @@ def test_with_lookup_wait_a_lookup_retries_until_the_peer_answers_for_the_whole_
     with Offloader(kv_b, groups, config(tmp_path, peer, 8, row, lookup_wait_s=2.0)) as engine_b:
         manager = engine_b.manager
         # As vLLM scans a prefix: every key, known or not, is "being asked", none is a miss.
-        assert [manager.lookup(key) for key in [*keys, absent]] == [LookupResult.RETRY] * 5
+        assert [manager.lookup(key) for key in [*keys, absent]] == [Lookup.RETRY] * 5
         assert manager.stats.retries == 5
-        assert lookups_until(manager, keys, LookupResult.HIT_PENDING) == [LookupResult.HIT_PENDING] * 4
-        assert manager.lookup(absent) is LookupResult.MISS  # answered: nobody holds it
+        assert lookups_until(manager, keys, Lookup.HIT_PENDING) == [Lookup.HIT_PENDING] * 4
+        assert manager.lookup(absent) is Lookup.MISS  # answered: nobody holds it
         lower = engine_b.stats()["lower"]
         assert (lower["checks_asked"], lower["checks_found"]) == (5, 4)  # one round trip for all five
-        assert lookups_until(manager, keys, LookupResult.HIT) == [LookupResult.HIT] * 4
+        assert lookups_until(manager, keys, Lookup.HIT) == [Lookup.HIT] * 4
         manager.on_schedule_end()
         engine_b.load(keys, [6, 7, 8, 9])
         engine_b.wait()
@@ -173,8 +173,8 @@ def test_with_lookup_wait_a_dead_peer_is_waited_for_no_longer_than_the_wait(tmp_
     with Offloader(kv, groups, config(tmp_path, peer, 8, row, lookup_wait_s=0.5)) as engine:
         manager = engine.manager
         started = time.monotonic()
-        assert [manager.lookup(key) for key in keys] == [LookupResult.RETRY] * 2
-        assert lookups_until(manager, keys, LookupResult.MISS) == [LookupResult.MISS] * 2
+        assert [manager.lookup(key) for key in keys] == [Lookup.RETRY] * 2
+        assert lookups_until(manager, keys, Lookup.MISS) == [Lookup.MISS] * 2
         assert time.monotonic() - started < 3.0
         # The standalone API never waits: a key being asked ends the prefix like a miss.
         assert engine.lookup(keys) == 0
@@ -187,5 +187,5 @@ def test_without_lookup_wait_a_miss_below_is_a_miss_at_once(tmp_path, peer):
     with Offloader(kv, groups) as probe:
         row = probe.caches.row_bytes(0)
     with Offloader(kv, groups, config(tmp_path, peer, 8, row)) as engine:
-        assert [engine.manager.lookup(key) for key in keys] == [LookupResult.MISS] * 2
+        assert [engine.manager.lookup(key) for key in keys] == [Lookup.MISS] * 2
         assert engine.manager.stats.retries == 0
