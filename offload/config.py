@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from policies import make_policy
-from policies.placement import ADMISSIONS
+from policies.placement import ADMISSIONS, PLACEMENTS
 from tiers import sizes
 from tiers.peer_protocol import valid_tenant
 
@@ -65,7 +65,6 @@ class ConfigError(ValueError):
 
 
 TIER_KINDS = ("host", "disk", "remote", "mooncake")
-PLACEMENTS = ("write-back", "write-through")
 
 
 def parse_size(value: Any, where: str) -> int:

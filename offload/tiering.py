@@ -35,13 +35,11 @@ from tiers.base import LowerTier, Row
 
 log = logging.getLogger(__name__)
 
-_WRITE_MODES = {"write-back": "back", "write-through": "through"}
-
 
 def placement_for(tier: TierConfig, capacity_rows: int) -> Placement:
     """The placement rule of a configured lower tier."""
     return Placement(
-        write=_WRITE_MODES[tier.placement],  # type: ignore[arg-type]
+        write=tier.placement,  # type: ignore[arg-type]
         admission=make_admission(tier.admission, max(1, capacity_rows)),
         promote=tier.promotion,
     )
