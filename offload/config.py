@@ -57,6 +57,7 @@ from typing import Any
 from policies import make_policy
 from policies.placement import ADMISSIONS, PLACEMENTS
 from tiers import sizes
+from tiers.address import Address
 from tiers.peer_protocol import valid_tenant
 
 
@@ -262,9 +263,10 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
         if not isinstance(peers, list) or not peers or not all(isinstance(p, str) for p in peers):
             raise ConfigError(f"{where}.peers = {peers!r}: expected a non-empty list of 'host:port' strings")
         for peer in peers:
-            host, sep, port = peer.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"{where}.peers: {peer!r} is not 'host:port'")
+            try:
+                Address.parse(peer)
+            except ValueError:
+                raise ConfigError(f"{where}.peers: {peer!r} is not 'host:port'") from None
         deadline = raw.get("deadline_s", 2.0)
         if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 2.0:
             raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 2]")
@@ -308,9 +310,10 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
 
     prefix = f"{where}."
     master = raw.get("master")
-    host, sep, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{where}.master = {master!r}: expected the master's 'host:port'")
+    try:
+        Address.parse(master)
+    except ValueError:
+        raise ConfigError(f"{where}.master = {master!r}: expected the master's 'host:port'") from None
     if tier.capacity_bytes < MIN_SEGMENT_BYTES:
         raise ConfigError(
             f"{where}.capacity = {tier.capacity_bytes!r}: the segment mounted into Mooncake Store "

@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 
 from tiers import mooncake_listen
+from tiers.address import Address
 from tiers.base import LowerTier, Row, TierError
 from tiers.fast_checksum import checksum_at
 from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
@@ -652,9 +653,9 @@ class MooncakeTier(LowerTier):
     async def _master_reachable(self, timeout: float) -> bool:
         """Whether the master's port takes a TCP connection within ``timeout`` (on the event loop:
         no store thread is needed, so a knock never queues behind a stuck call)."""
-        host, _, port = self.master.rpartition(":")
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+            master = Address.parse(self.master)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(master.host, master.port), timeout)
         except (OSError, ValueError, TimeoutError):
             return False
         writer.close()
