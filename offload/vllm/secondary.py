@@ -49,8 +49,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from offload.config import TierConfig, parse_config
 from offload.namespace import Namespace
 from offload.peer_asks import PeerAsks
+from offload.tier_builder import build_tier
 from offload.tier_engine import OpKind, TierEngine
-from offload.tiering import build_tier
 from tiers.base import LowerTier
 from tiers.row_format import layout_id_from_fingerprint
 

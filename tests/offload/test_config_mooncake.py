@@ -92,7 +92,7 @@ def test_without_the_package_the_error_names_the_tier_and_the_install_line(monke
 
 def test_listen_interface_reaches_the_tier():
     pytest.importorskip("mooncake.store")
-    from offload.tiering import build_tier
+    from offload.tier_builder import build_tier
 
     for value in ("", "lo", "10.0.0.7", "*"):
         tier = parse_config({"tiers": tiers(master="127.0.0.1:50051", listen_interface=value)}).tiers[1]
