@@ -46,13 +46,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from offload.config import TierConfig, parse_config
+from offload.config import parse_config
 from offload.namespace import Namespace
 from offload.peer_asks import PeerAsks
 from offload.tier_builder import build_tier
 from offload.tier_engine import OpKind, TierEngine
 from tiers.base import LowerTier
 from tiers.row_format import layout_id_from_fingerprint
+from tiers.settings import LowerTierSettings
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -211,10 +212,10 @@ class KVTierRemoteTier(_KVTierSecondaryTier):
     medium = Medium.STORAGE
 
 
-def _tier_config(kind: str, keys: dict[str, Any]) -> TierConfig:
+def _tier_config(kind: str, keys: dict[str, Any]) -> LowerTierSettings:
     """Validate a tier's keys with kvtier's own parser (same names and errors as the TOML)."""
     parsed = parse_config({"tiers": [{"kind": "host", "capacity": 1}, {"kind": kind, **keys}]})
-    return parsed.tiers[1]
+    return parsed.lower_tiers[0]
 
 
 def primary_row_fingerprint(spec: OffloadingSpec, row_bytes: int) -> str:

@@ -42,7 +42,7 @@ def test_full_file_parses(tmp_path):
         "/var/cache/kvtier",
     )
     remote = config.tiers[2]
-    assert remote.peers == ("127.0.0.1:7070", "127.0.0.1:7071")
+    assert tuple(map(str, remote.peers)) == ("127.0.0.1:7070", "127.0.0.1:7071")
     assert remote.deadline_s == 1.5
     assert (remote.lookup_wait_s, disk.lookup_wait_s) == (0.25, 0.0)
     assert remote.checksum_thread is False
