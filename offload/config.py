@@ -215,20 +215,21 @@ def parse_tier(raw: Any, where: str) -> TierSettings:
     common["eviction_params"] = dict(params)
     if kind == "host":
         return HostSettings(**common)
-    return _PARSERS[kind](raw, where, common | _lower_keys(raw, where, kind))
+    return _PARSERS[kind](raw, where, common | _lower_keys(raw, where))
 
 
-def _lower_keys(raw: Mapping[str, Any], where: str, kind: str) -> dict[str, Any]:
-    """The keys of every tier below the host tier: placement, admission, promotion."""
-    default_admission = "seen-twice" if kind == "disk" else "all"
-    promotion = raw.get("promotion", True)
-    keys = {
-        "placement": _choice(raw, "placement", f"{where}.", PLACEMENTS, "write-back"),
-        "admission": _choice(raw, "admission", f"{where}.", ADMISSIONS, default_admission),
-    }
-    if not isinstance(promotion, bool):
-        raise ConfigError(f"{where}.promotion = {promotion!r}: expected true or false")
-    return keys | {"promotion": promotion}
+def _lower_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The keys of every tier below the host tier (placement, admission, promotion), those
+    given only: the defaults are the settings' own (a disk admits rows seen twice)."""
+    keys: dict[str, Any] = {}
+    for key, choices in (("placement", PLACEMENTS), ("admission", ADMISSIONS)):
+        if key in raw:
+            keys[key] = _choice(raw, key, f"{where}.", choices, "")
+    if "promotion" in raw:
+        keys["promotion"] = raw["promotion"]
+        if not isinstance(keys["promotion"], bool):
+            raise ConfigError(f"{where}.promotion = {raw['promotion']!r}: expected true or false")
+    return keys
 
 
 def _parse_disk(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> DiskSettings:
