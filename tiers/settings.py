@@ -74,7 +74,8 @@ class RemoteSettings(LowerTierSettings):
     """``kvtier peer`` processes reached over NIXL (``tiers.remote``).
 
     ``token_file``: the shared token (``None``: the peers take any client). ``peer_tenant``:
-    the tenant this engine claims at the peers; its token must grant it there.
+    the tenant this engine claims at the peers; its token must grant it there (a peer's
+    single-token file grants only ``"default"``).
     ``checksum_thread``: hash each part beside the copies (``False``: after each copy).
     """
 
