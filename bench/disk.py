@@ -39,6 +39,7 @@ import uvloop
 from bench.report import write_json
 from tiers.disk import DiskTier
 from tiers.lmdb_store import DATA_FILES
+from tiers.settings import DiskSettings
 
 ROW_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # layers x (K, V) x tokens x KV heads x head dim x bf16
 NAMESPACE = bytes(range(16))
@@ -103,7 +104,8 @@ class Bench:
     def _tier(self) -> DiskTier:
         # The rows of one round, plus what each costs beyond its bytes (trailer page, index entry).
         capacity = self.s.rows * (self.s.row_bytes + 2 * 4096)
-        return DiskTier(self.tier_path, capacity, NAMESPACE, LAYOUT_ID, sync=self.sync)
+        settings = DiskSettings(path=self.tier_path, capacity_bytes=capacity)
+        return DiskTier(settings, NAMESPACE, LAYOUT_ID, sync=self.sync)
 
     def _batches(self) -> list[list[bytes]]:
         gen = self.generation.to_bytes(4, "big")

@@ -33,9 +33,11 @@ import uvloop
 from bench import remote
 from bench.remote import _die_with_parent, _timed, aligned_zeros, spawn
 from bench.report import write_json
+from tiers.address import Address
 from tiers.fast_checksum import checksum_at
 from tiers.mooncake import MIN_SEGMENT_BYTES, MooncakeTier, object_key, store_class
 from tiers.mooncake_master import MasterProcess
+from tiers.settings import MooncakeSettings
 
 TARGET = 0.8
 LAYOUT = b"bench-mooncake1\0"
@@ -73,7 +75,8 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
         dst_rows = [view[(rows + i) * row_bytes : (rows + i + 1) * row_bytes] for i in range(rows)]
         src_addrs = [host.ctypes.data + i * row_bytes for i in range(rows)]
         dst_addrs = [a + op_bytes for a in src_addrs]
-        tier = MooncakeTier(master.address, os.urandom(16), LAYOUT, segment_bytes=0, deadline_s=30.0)
+        settings = MooncakeSettings(capacity_bytes=0, master=Address.parse(master.address), deadline_s=30.0)
+        tier = MooncakeTier(settings, os.urandom(16), LAYOUT)
         await tier.open(view)
         store = tier._store  # the same client, its host buffer registered by the tier
         loop = asyncio.get_running_loop()

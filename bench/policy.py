@@ -171,13 +171,13 @@ def run_trace(
         return report
     best, _ = report.best()
     tiers = [
-        TierSpec("host", host, best, placement={"write": "back", "promote": True}),
+        TierSpec("host", host, best, placement={"write": "write-back", "promote": True}),
         TierSpec("disk", 4 * host, "lru", placement={"write": "none", "admit": "seen-twice"}),
     ]
     result: SimResult = simulate(trace, tiers, device, device_hits)
     report.chain = {
         "tiers": [
-            {"name": "host", "blocks": host, "policy": best, "write": "back", "promote": True},
+            {"name": "host", "blocks": host, "policy": best, "write": "write-back", "promote": True},
             {"name": "disk", "blocks": 4 * host, "policy": "lru", "admit": "seen-twice"},
         ],
         "hit_ratio": {n: result.hit_ratio(i) for i, n in enumerate(result.tier_names)},

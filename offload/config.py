@@ -40,24 +40,38 @@ decimal (``8GB`` = 8,000,000,000 B), ``KiB``/``MiB``/``GiB``/``TiB`` binary (``8
 where it is allocated (``Offloader``: a ``ConfigError`` naming ``tiers[0].capacity``), not
 here: a configuration may be checked on another machine than the one that runs it.
 
-Everything is validated here into frozen dataclasses; the rest of kvtier never reads a
-raw dict. Unknown keys are errors (a typo must not silently fall back to a default), and
-every error is a ``ConfigError`` naming the key path and the value at fault: a bad size,
-type or string (an empty path, a NUL byte), and a file that is not UTF-8 TOML.
+This module is kvtier's only reader of configuration (``offload.vllm.settings`` hands it
+what vLLM passes, ``offload.vllm.secondary`` one tier table with ``parse_tier``).
+Everything is validated here into frozen dataclasses, one per tier kind (``tiers.settings``:
+``HostSettings``, ``DiskSettings``, ``RemoteSettings``, ``MooncakeSettings``, whose fields
+are the keys above, ``host:port`` parsed into ``tiers.address.Address``), which each tier's
+constructor takes whole; the rest of kvtier never reads a raw dict. Unknown keys are errors
+(a typo must not silently fall back to a default), and every error is a ``ConfigError``
+naming the key path and the value at fault: a bad size, type or string (an empty path, a
+NUL byte), and a file that is not UTF-8 TOML.
 """
 
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from policies import make_policy
-from policies.placement import ADMISSIONS
+from policies.placement import ADMISSIONS, PLACEMENTS
 from tiers import sizes
+from tiers.address import Address
 from tiers.peer_protocol import valid_tenant
+from tiers.settings import (
+    DiskSettings,
+    HostSettings,
+    LowerTierSettings,
+    MooncakeSettings,
+    RemoteSettings,
+    TierSettings,
+)
 
 
 class ConfigError(ValueError):
@@ -65,7 +79,6 @@ class ConfigError(ValueError):
 
 
 TIER_KINDS = ("host", "disk", "remote", "mooncake")
-PLACEMENTS = ("write-back", "write-through")
 
 
 def parse_size(value: Any, where: str) -> int:
@@ -85,73 +98,28 @@ class NamespaceConfig:
 
 
 @dataclass(frozen=True)
-class MooncakeConfig:
-    """The keys of a ``kind = "mooncake"`` tier beside the common ones (``capacity`` is the
-    segment this process mounts into the store's pool)."""
-
-    master: str
-    metadata_server: str = "P2PHANDSHAKE"
-    local_buffer_bytes: int = 16 << 20
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = "127.0.0.1"
-    listen_interface: str = ""  # "": the interface holding local_hostname; "*": every interface
-    replicas: int = 1
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    kind: str
-    capacity_bytes: int
-    eviction: str = "lru"
-    eviction_params: Mapping[str, Any] = field(default_factory=dict)
-    placement: str = "write-back"
-    admission: str = "all"
-    promotion: bool = True
-    path: str | None = None  # disk
-    peers: tuple[str, ...] = ()  # remote
-    token_file: str | None = None  # remote
-    # remote: the tenant this engine claims at the peers; its token must grant it there
-    # (a peer's single-token file grants only "default")
-    peer_tenant: str = "default"
-    checksum_thread: bool = True  # remote: hash each part beside the copies (False: after each copy)
-    deadline_s: float = 2.0  # remote, mooncake
-    # remote, mooncake: how long a vLLM request may wait (deferred, as vLLM's RETRY) for this
-    # tier's answer to "do you hold the rest of my prefix?"; 0: never wait, the answer serves
-    # later requests
-    lookup_wait_s: float = 0.0
-    mooncake: MooncakeConfig | None = None
-
-
-@dataclass(frozen=True)
 class KVTierConfig:
-    tiers: tuple[TierConfig, ...]
+    tiers: tuple[TierSettings, ...]
     namespace: NamespaceConfig = NamespaceConfig()
 
     @property
-    def host(self) -> TierConfig:
-        return self.tiers[0]
+    def host(self) -> HostSettings:
+        host = self.tiers[0]
+        assert isinstance(host, HostSettings)  # parse_config puts it first
+        return host
 
     @property
-    def lower_tiers(self) -> tuple[TierConfig, ...]:
-        return self.tiers[1:]
+    def lower_tiers(self) -> tuple[LowerTierSettings, ...]:
+        return tuple(tier for tier in self.tiers[1:] if isinstance(tier, LowerTierSettings))
 
 
 _COMMON_KEYS = {"kind", "capacity", "eviction", "eviction_params"}
+_LOWER_KEYS = {"placement", "admission", "promotion"}
+_NETWORK_KEYS = {"deadline_s", "lookup_wait_s"}
 _KIND_KEYS = {
     "host": set(),
-    "disk": {"path", "placement", "admission", "promotion"},
-    "remote": {
-        "peers",
-        "token_file",
-        "peer_tenant",
-        "deadline_s",
-        "lookup_wait_s",
-        "checksum_thread",
-        "placement",
-        "admission",
-        "promotion",
-    },
+    "disk": {"path"} | _LOWER_KEYS,
+    "remote": {"peers", "token_file", "peer_tenant", "checksum_thread"} | _LOWER_KEYS | _NETWORK_KEYS,
     "mooncake": {
         "master",
         "metadata_server",
@@ -161,14 +129,10 @@ _KIND_KEYS = {
         "local_hostname",
         "listen_interface",
         "replicas",
-        "deadline_s",
-        "lookup_wait_s",
-        "placement",
-        "admission",
-        "promotion",
-    },
+    }
+    | _LOWER_KEYS
+    | _NETWORK_KEYS,
 }
-_KIND_DEFAULT_ADMISSION = {"host": "all", "disk": "seen-twice", "remote": "all", "mooncake": "all"}
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 MAX_REPLICAS = 64  # more copies than a cluster has machines is a typo (and overflows the store's int)
 
@@ -177,32 +141,40 @@ def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
     """Parse a TOML file path, or a dict with the same keys (vLLM's ``kv_connector_extra_config``)."""
     if isinstance(source, Mapping):
         return parse_config(source)
-    path = Path(source)
+    return parse_config(read_toml(Path(source)))
+
+
+def read_toml(path: Path, key: str | None = None) -> dict[str, Any]:
+    """The table of the TOML file at ``path``; ``ConfigError`` naming the file (and ``key``,
+    where the path was the value of a key, such as vLLM's ``kvtier_config``)."""
+    what = f"{key} = {str(path)!r}" if key else str(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
+        if key:
+            raise ConfigError(f"{what}: cannot read it: {exc.strerror}") from exc
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"{path}: not a TOML file: byte {exc.start} (0x{raw[exc.start]:02x}) is not UTF-8 text"
+            f"{what}: not a TOML file: byte {exc.start} (0x{raw[exc.start]:02x}) is not UTF-8 text"
         ) from None
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    return parse_config(data)
+        raise ConfigError(f"{what}: not valid TOML: {exc}") from exc
 
 
 def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
+    """The whole configuration: the tiers (the host tier first, each kind once) and the namespace."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"the configuration = {data!r}: expected a table of 'tiers' and 'namespace'")
     _reject_unknown(data, {"tiers", "namespace"}, "")
     tiers_raw = data.get("tiers")
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError(f"tiers = {tiers_raw!r}: expected a non-empty list of tier tables ([[tiers]])")
-    tiers = tuple(_parse_tier(raw, f"tiers[{i}]") for i, raw in enumerate(tiers_raw))
+    tiers = tuple(parse_tier(raw, f"tiers[{i}]") for i, raw in enumerate(tiers_raw))
     if tiers[0].kind != "host":
         raise ConfigError(f"tiers[0].kind = {tiers[0].kind!r}: the first tier must be the host tier")
     for i, tier in enumerate(tiers[1:], start=1):
@@ -223,85 +195,80 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
     return KVTierConfig(tiers, namespace)
 
 
-def _parse_tier(raw: Any, where: str) -> TierConfig:
+def parse_tier(raw: Any, where: str) -> TierSettings:
+    """One ``[[tiers]]`` table on its own (``where``, such as ``tiers[1]``, prefixes every
+    error): the settings of its kind. Also what vLLM's secondary tiers are parsed with."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} = {raw!r}: expected a table")
     kind = raw.get("kind")
     if kind not in TIER_KINDS:
         raise ConfigError(f"{where}.kind = {kind!r}: expected one of {list(TIER_KINDS)}")
     _reject_unknown(raw, _COMMON_KEYS | _KIND_KEYS[kind], f"{where}.")
-    prefix = f"{where}."
     if "capacity" not in raw:
         raise ConfigError(f"{where}.capacity is missing: give a size such as '8GiB'")
-    capacity = parse_size(raw["capacity"], f"{where}.capacity")
-    eviction = _string(raw, "eviction", prefix, "lru")
+    common: dict[str, Any] = {"capacity_bytes": parse_size(raw["capacity"], f"{where}.capacity")}
+    common["eviction"] = eviction = _string(raw, "eviction", f"{where}.", "lru")
     params = raw.get("eviction_params", {})
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.eviction_params = {params!r}: expected a table of policy arguments")
     _check_policy(eviction, dict(params), where)
-    placement = _choice(raw, "placement", prefix, PLACEMENTS, "write-back")
-    admission = _choice(raw, "admission", prefix, ADMISSIONS, _KIND_DEFAULT_ADMISSION[kind])
-    promotion = raw.get("promotion", True)
-    if not isinstance(promotion, bool):
-        raise ConfigError(f"{where}.promotion = {promotion!r}: expected true or false")
-    tier = TierConfig(
-        kind=kind,
-        capacity_bytes=capacity,
-        eviction=eviction,
-        eviction_params=dict(params),
-        placement=placement,
-        admission=admission,
-        promotion=promotion,
-    )
-    if kind == "disk":
-        path = raw.get("path")
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise ConfigError(f"{where}.path = {path!r}: the disk tier needs a directory path")
-        tier = replace(tier, path=path)
-    if kind == "remote":
-        peers = raw.get("peers")
-        if not isinstance(peers, list) or not peers or not all(isinstance(p, str) for p in peers):
-            raise ConfigError(f"{where}.peers = {peers!r}: expected a non-empty list of 'host:port' strings")
-        for peer in peers:
-            host, sep, port = peer.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"{where}.peers: {peer!r} is not 'host:port'")
-        deadline = raw.get("deadline_s", 2.0)
-        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 2.0:
-            raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 2]")
-        token_file = raw.get("token_file")
-        if token_file is not None and (
-            not isinstance(token_file, str) or not token_file or "\0" in token_file
-        ):
-            raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
-        peer_tenant = raw.get("peer_tenant", "default")
-        if not isinstance(peer_tenant, str) or not valid_tenant(peer_tenant):
-            raise ConfigError(
-                f"{where}.peer_tenant = {peer_tenant!r}: expected 1..64 of A-Z a-z 0-9 . _ -, "
-                "starting with a letter or digit"
-            )
-        checksum_thread = raw.get("checksum_thread", True)
-        if not isinstance(checksum_thread, bool):
-            raise ConfigError(f"{where}.checksum_thread = {checksum_thread!r}: expected true or false")
-        tier = replace(
-            tier,
-            peers=tuple(peers),
-            deadline_s=float(deadline),
-            token_file=token_file,
-            peer_tenant=peer_tenant,
-            checksum_thread=checksum_thread,
+    common["eviction_params"] = dict(params)
+    if kind == "host":
+        return HostSettings(**common)
+    return _PARSERS[kind](raw, where, common | _lower_keys(raw, where))
+
+
+def _lower_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The keys of every tier below the host tier (placement, admission, promotion), those
+    given only: the defaults are the settings' own (a disk admits rows seen twice)."""
+    keys: dict[str, Any] = {}
+    for key, choices in (("placement", PLACEMENTS), ("admission", ADMISSIONS)):
+        if key in raw:
+            keys[key] = _choice(raw, key, f"{where}.", choices, "")
+    if "promotion" in raw:
+        keys["promotion"] = raw["promotion"]
+        if not isinstance(keys["promotion"], bool):
+            raise ConfigError(f"{where}.promotion = {raw['promotion']!r}: expected true or false")
+    return keys
+
+
+def _parse_disk(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> DiskSettings:
+    path = raw.get("path")
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ConfigError(f"{where}.path = {path!r}: the disk tier needs a directory path")
+    return DiskSettings(**common, path=path)
+
+
+def _parse_remote(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> RemoteSettings:
+    peers = raw.get("peers")
+    if not isinstance(peers, list) or not peers or not all(isinstance(p, str) for p in peers):
+        raise ConfigError(f"{where}.peers = {peers!r}: expected a non-empty list of 'host:port' strings")
+    addresses = tuple(_address(peer, f"{where}.peers: {peer!r} is not 'host:port'") for peer in peers)
+    deadline = _seconds(raw, "deadline_s", where, 2.0, maximum=2.0)
+    token_file = raw.get("token_file")
+    if token_file is not None and (not isinstance(token_file, str) or not token_file or "\0" in token_file):
+        raise ConfigError(f"{where}.token_file = {token_file!r}: expected a path")
+    peer_tenant = raw.get("peer_tenant", "default")
+    if not isinstance(peer_tenant, str) or not valid_tenant(peer_tenant):
+        raise ConfigError(
+            f"{where}.peer_tenant = {peer_tenant!r}: expected 1..64 of A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
         )
-    if kind == "mooncake":
-        tier = _parse_mooncake(raw, tier, where)
-    if kind in ("remote", "mooncake"):
-        wait = raw.get("lookup_wait_s", 0.0)
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 10:
-            raise ConfigError(f"{where}.lookup_wait_s = {wait!r}: expected seconds in [0, 10]")
-        tier = replace(tier, lookup_wait_s=float(wait))
-    return tier
+    checksum_thread = raw.get("checksum_thread", True)
+    if not isinstance(checksum_thread, bool):
+        raise ConfigError(f"{where}.checksum_thread = {checksum_thread!r}: expected true or false")
+    return RemoteSettings(
+        **common,
+        peers=addresses,
+        deadline_s=deadline,
+        token_file=token_file,
+        peer_tenant=peer_tenant,
+        checksum_thread=checksum_thread,
+        lookup_wait_s=_lookup_wait(raw, where),
+    )
 
 
-def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> TierConfig:
+def _parse_mooncake(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> MooncakeSettings:
     """The Mooncake keys; also checks that the Mooncake client imports (else: how to install it)."""
     from tiers import mooncake_listen
     from tiers.base import TierError
@@ -309,12 +276,10 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
 
     prefix = f"{where}."
     master = raw.get("master")
-    host, sep, port = master.rpartition(":") if isinstance(master, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{where}.master = {master!r}: expected the master's 'host:port'")
-    if tier.capacity_bytes < MIN_SEGMENT_BYTES:
+    address = _address(master, f"{where}.master = {master!r}: expected the master's 'host:port'")
+    if common["capacity_bytes"] < MIN_SEGMENT_BYTES:
         raise ConfigError(
-            f"{where}.capacity = {tier.capacity_bytes!r}: the segment mounted into Mooncake Store "
+            f"{where}.capacity = {common['capacity_bytes']!r}: the segment mounted into Mooncake Store "
             "must be at least 16MiB"
         )
     replicas = raw.get("replicas", 1)
@@ -322,9 +287,7 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
         raise ConfigError(
             f"{where}.replicas = {replicas!r}: expected a number of copies in [1, {MAX_REPLICAS}]"
         )
-    deadline = raw.get("deadline_s", 2.0)
-    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 30:
-        raise ConfigError(f"{where}.deadline_s = {deadline!r}: expected seconds in (0, 30]")
+    deadline = _seconds(raw, "deadline_s", where, 2.0, maximum=30.0)
     local_hostname = _string(raw, "local_hostname", prefix, "127.0.0.1")
     problem = mooncake_listen.check_hostname(local_hostname)
     if problem:
@@ -336,8 +299,9 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
     metadata = _string(raw, "metadata_server", prefix, "P2PHANDSHAKE")
     if not metadata:
         raise ConfigError(f"{where}.metadata_server = '': expected 'P2PHANDSHAKE' or the server's URL")
-    settings = MooncakeConfig(
-        master=master,  # type: ignore[arg-type]
+    settings = MooncakeSettings(
+        **common,
+        master=address,
         metadata_server=metadata,
         local_buffer_bytes=parse_size(raw.get("local_buffer", "16MiB"), f"{where}.local_buffer"),
         protocol=_choice(raw, "protocol", prefix, MOONCAKE_PROTOCOLS, "tcp"),
@@ -345,12 +309,43 @@ def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> Tie
         local_hostname=local_hostname,
         listen_interface=listen_interface,
         replicas=replicas,
+        deadline_s=deadline,
+        lookup_wait_s=_lookup_wait(raw, where),
     )
     try:
         store_class()
     except TierError as exc:
         raise ConfigError(f"{where}.kind = 'mooncake': {exc}") from exc
-    return replace(tier, mooncake=settings, deadline_s=float(deadline))
+    return settings
+
+
+_PARSERS: dict[str, Callable[[Mapping[str, Any], str, dict[str, Any]], LowerTierSettings]] = {
+    "disk": _parse_disk,
+    "remote": _parse_remote,
+    "mooncake": _parse_mooncake,
+}
+
+
+def _address(value: Any, message: str) -> Address:
+    try:
+        return Address.parse(value)
+    except ValueError:
+        raise ConfigError(message) from None
+
+
+def _seconds(raw: Mapping[str, Any], key: str, where: str, default: float, *, maximum: float) -> float:
+    """A deadline: seconds in (0, ``maximum``]."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= maximum:
+        raise ConfigError(f"{where}.{key} = {value!r}: expected seconds in (0, {maximum:g}]")
+    return float(value)
+
+
+def _lookup_wait(raw: Mapping[str, Any], where: str) -> float:
+    wait = raw.get("lookup_wait_s", 0.0)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 10:
+        raise ConfigError(f"{where}.lookup_wait_s = {wait!r}: expected seconds in [0, 10]")
+    return float(wait)
 
 
 def _check_policy(name: str, params: dict[str, Any], where: str) -> None:

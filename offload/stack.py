@@ -11,8 +11,9 @@ from offload.config import KVTierConfig
 from offload.manager import HostTierManager
 from offload.namespace import Namespace
 from offload.row_layout import RowConverter
+from offload.tier_builder import build_tier, placement_for
 from offload.tier_engine import TierEngine
-from offload.tiering import LowerTierChain, build_tier, placement_for
+from offload.tiering import LowerTierChain
 from policies import make_policy
 from tiers.host import HostTier
 from tiers.row_format import layout_id_from_fingerprint

@@ -4,11 +4,12 @@ Eviction policies decide *which* block leaves a tier; placement decides what tha
 for the tier below, and what enters a tier at all. One ``Placement`` per tier, read by the
 owner of the tier chain (the manager, the simulator):
 
-- ``write``: ``"back"`` copies a block to the next tier when this tier evicts it (the next
-  tier holds what this one could not keep); ``"through"`` copies it down when it is stored
-  here (the next tier holds a superset, so an eviction here costs nothing to spill and a
-  crash loses nothing); ``"none"`` never copies down (the last tier, or a tier whose
-  victims are simply dropped).
+- ``write``: ``"write-back"`` copies a block to the next tier when this tier evicts it (the
+  next tier holds what this one could not keep); ``"write-through"`` copies it down when it
+  is stored here (the next tier holds a superset, so an eviction here costs nothing to spill
+  and a crash loses nothing); ``"none"`` never copies down (the last tier, or a tier whose
+  victims are simply dropped). The names are the configuration's (``placement`` in the
+  TOML), so no layer translates them.
 - ``admission``: which offered blocks a tier accepts. ``AdmitAll``, or ``SeenTwice``: only
   blocks requested at least twice lately (by a bounded frequency sketch), so a disk tier is
   not worn by blocks that are never read again.
@@ -28,8 +29,10 @@ from typing import Any, Literal
 
 from policies.sketch import FrequencySketch
 
-WriteMode = Literal["through", "back", "none"]
-WRITE_MODES: tuple[str, ...] = ("through", "back", "none")
+WriteMode = Literal["write-through", "write-back", "none"]
+WRITE_MODES: tuple[str, ...] = ("write-through", "write-back", "none")
+PLACEMENTS: tuple[str, ...] = ("write-back", "write-through")
+"""What a configured lower tier's ``placement`` may be (``"none"`` is the simulator's only)."""
 
 
 class Admission(ABC):
@@ -87,7 +90,7 @@ class SeenTwice(Admission):
 class Placement:
     """How one tier relates to the next: copy-down mode, admission, promotion on hit."""
 
-    write: WriteMode = "back"
+    write: WriteMode = "write-back"
     admission: Admission = field(default_factory=AdmitAll)
     promote: bool = True
 
@@ -101,11 +104,11 @@ class Placement:
 
     def copy_down_on_store(self) -> bool:
         """Write-through: a block stored here is also offered to the next tier."""
-        return self.write == "through"
+        return self.write == "write-through"
 
     def copy_down_on_evict(self) -> bool:
         """Write-back: a block evicted here is offered to the next tier."""
-        return self.write == "back"
+        return self.write == "write-back"
 
     def admit(self, key: Hashable) -> bool:
         """Whether this tier stores ``key`` when it is offered."""
@@ -134,7 +137,7 @@ def make_admission(name: str, capacity: int, **params: Any) -> Admission:
 
 
 def make_placement(config: Mapping[str, Any] | None, capacity: int) -> Placement:
-    """A placement from a config table: ``{"write": "back", "admit": "seen-twice", "promote": true}``.
+    """A placement from a table: ``{"write": "write-back", "admit": "seen-twice", "promote": true}``.
 
     ``admit`` may also be a table: ``{"name": "seen-twice", "threshold": 3}``. Missing keys take
     the defaults (write-back, admit all, promote on hit); unknown keys are errors.
@@ -155,5 +158,5 @@ def make_placement(config: Mapping[str, Any] | None, capacity: int) -> Placement
     else:
         raise ValueError(f"placement: admit must be a name or a table, got {admit!r}")
     return Placement(
-        write=config.get("write", "back"), admission=admission, promote=config.get("promote", True)
+        write=config.get("write", "write-back"), admission=admission, promote=config.get("promote", True)
     )

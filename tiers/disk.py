@@ -59,6 +59,7 @@ from tiers.dir_lock import DirLock
 from tiers.disk_index import DiskIndex
 from tiers.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
 from tiers.row_format import LAYOUT_ID_BYTES
+from tiers.settings import DiskSettings
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,10 @@ def default_file_margin(capacity_bytes: int) -> int:
 
 
 class DiskTier(LowerTier):
-    """Rows of one namespace and layout in directory ``path`` (rows file and LMDB index).
+    """Rows of one namespace and layout in directory ``settings.path`` (rows file and LMDB
+    index), bounded by ``settings.capacity_bytes``, evicted by ``settings.eviction``
+    (with ``eviction_params``: any policy of ``policies/``, ``make_policy``). Placement and
+    admission are the manager's business, not the tier's.
 
     ``sync``: whether each commit is flushed to the device (``fsync``) before ``put``
     returns (the rows file, then LMDB's commit). Either way a commit is atomic and a
@@ -102,7 +106,6 @@ class DiskTier(LowerTier):
     crash or power loss can lose the batches committed since the last flush with
     ``sync=False``; what it leaves is still never served wrong (the trailer and checksum).
 
-    ``eviction``/``eviction_params``: any policy of ``policies/`` (``make_policy``).
     ``file_margin_bytes``: the rows file's room beyond the capacity (default
     ``default_file_margin``).
     ``row_bytes``: the usual row size, to size the policy in rows from the start (ARC,
@@ -114,19 +117,18 @@ class DiskTier(LowerTier):
 
     def __init__(
         self,
-        path: str,
-        capacity_bytes: int,
+        settings: DiskSettings,
         namespace: bytes,
         layout_id: bytes,
         *,
-        eviction: str = "lru",
-        eviction_params: dict[str, Any] | None = None,
         sync: bool = False,
         file_margin_bytes: int | None = None,
         row_bytes: int | None = None,
         read_threads: int = 4,
         readable_layouts: Collection[bytes] = (),
     ) -> None:
+        self.settings = settings
+        path, capacity_bytes, eviction = settings.path, settings.capacity_bytes, settings.eviction
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
         if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
@@ -139,7 +141,7 @@ class DiskTier(LowerTier):
         if margin < 0:
             raise ValueError(f"disk tier file_margin_bytes must be >= 0, got {file_margin_bytes!r}")
         self.eviction = eviction
-        self.eviction_params = dict(eviction_params or {})
+        self.eviction_params: dict[str, Any] = dict(settings.eviction_params)
         make_policy(eviction, 1, **self.eviction_params)  # a bad name or parameter fails here, not at open
         self.path = os.path.abspath(path)
         self.capacity_bytes = capacity_bytes

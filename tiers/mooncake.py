@@ -85,6 +85,7 @@ from tiers import mooncake_listen
 from tiers.base import LowerTier, Row, TierError
 from tiers.fast_checksum import checksum_at
 from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
+from tiers.settings import MooncakeSettings
 
 log = logging.getLogger(__name__)
 
@@ -212,18 +213,20 @@ class _HeaderSlots:
 class MooncakeTier(LowerTier):
     """A Mooncake Store client holding rows of one namespace and layout; see the module docstring.
 
-    ``master``: the master's ``host:port``. ``metadata_server``: where transfer engines find
-    each other: ``"P2PHANDSHAKE"`` (no server: clients exchange metadata directly) or an
-    ``http://host:port/metadata`` / etcd address. ``segment_bytes``: the memory this process
-    mounts into the store's pool (at least 16 MiB; 0: a client that only uses others' memory).
-    ``local_buffer_bytes``: the client's own transfer buffer (rows bypass it; at least 16 MiB
+    ``settings`` (``MooncakeSettings``, the TOML's keys): ``master``: the master's
+    ``host:port``. ``metadata_server``: where transfer engines find each other:
+    ``"P2PHANDSHAKE"`` (no server: clients exchange metadata directly) or an
+    ``http://host:port/metadata`` / etcd address. ``capacity_bytes``: the segment, the memory
+    this process mounts into the store's pool (at least 16 MiB; 0: a client that only uses
+    others' memory). ``local_buffer_bytes``: the client's own transfer buffer (rows bypass it; at least 16 MiB
     is what the store allocates by default). ``protocol``: ``"tcp"`` or ``"rdma"`` (with
     ``device_name``). ``local_hostname``: the address other clients reach this one's segment
     at. ``listen_interface``: the interface (a name, or an address it holds) that this
     client's listeners accept connections on; ``""``: the one holding ``local_hostname``;
     ``"*"``: every interface, Mooncake's own behaviour (see the module docstring: reaching
     them is reaching the host tier's memory). ``replicas``: copies of each object.
-    ``deadline_s``: the most a call waits (see the module docstring for gets). ``threads``:
+    ``deadline_s``: the most a call waits (see the module docstring for gets). Beside them,
+    knobs no configuration sets: ``open_timeout_s``, ``backoff_s``, ``max_backoff_s``; ``threads``:
     concurrent store calls. ``max_rows_in_flight``: header slots, i.e. rows in calls at once
     (beyond it rows are dropped or missed).
     """
@@ -233,19 +236,10 @@ class MooncakeTier(LowerTier):
 
     def __init__(
         self,
-        master: str,
+        settings: MooncakeSettings,
         namespace: bytes,
         layout_id: bytes,
         *,
-        metadata_server: str = "P2PHANDSHAKE",
-        segment_bytes: int = 1 << 30,
-        local_buffer_bytes: int = 16 << 20,
-        protocol: str = "tcp",
-        device_name: str = "",
-        local_hostname: str = "127.0.0.1",
-        listen_interface: str = "",
-        replicas: int = 1,
-        deadline_s: float = 2.0,
         open_timeout_s: float = 15.0,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
@@ -254,6 +248,9 @@ class MooncakeTier(LowerTier):
         max_tracked_keys: int = 1 << 20,
         readable_layouts: Collection[bytes] = (),
     ) -> None:
+        self.settings = settings
+        segment_bytes, replicas, deadline_s = settings.capacity_bytes, settings.replicas, settings.deadline_s
+        listen_interface = settings.listen_interface
         if len(layout_id) != LAYOUT_ID_BYTES:
             raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
         if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
@@ -264,16 +261,16 @@ class MooncakeTier(LowerTier):
         if problem:
             raise ValueError(f"listen_interface = {listen_interface!r}: {problem}")
         self._store_class = store_class()  # unavailable: a clear error now, not at open
-        self.master = master
+        self.master = settings.master
         self.namespace = bytes(namespace)
         self.layout_id = bytes(layout_id)
         self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
-        self.metadata_server = metadata_server
+        self.metadata_server = settings.metadata_server
         self.segment_bytes = segment_bytes
-        self.local_buffer_bytes = local_buffer_bytes
-        self.protocol = protocol
-        self.device_name = device_name
-        self.local_hostname = local_hostname
+        self.local_buffer_bytes = settings.local_buffer_bytes
+        self.protocol = settings.protocol
+        self.device_name = settings.device_name
+        self.local_hostname = settings.local_hostname
         self.listen_interface = listen_interface
         self.listening_on = ""  # the interface the listeners were tied to, at open
         self.replicas = replicas
@@ -362,7 +359,7 @@ class MooncakeTier(LowerTier):
             self.local_buffer_bytes,
             self.protocol,
             self.device_name,
-            self.master,
+            str(self.master),
         )
         if rc != 0:
             raise TierError(
@@ -652,9 +649,9 @@ class MooncakeTier(LowerTier):
     async def _master_reachable(self, timeout: float) -> bool:
         """Whether the master's port takes a TCP connection within ``timeout`` (on the event loop:
         no store thread is needed, so a knock never queues behind a stuck call)."""
-        host, _, port = self.master.rpartition(":")
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+            connecting = asyncio.open_connection(self.master.host, self.master.port)
+            _, writer = await asyncio.wait_for(connecting, timeout)
         except (OSError, ValueError, TimeoutError):
             return False
         writer.close()

@@ -35,6 +35,8 @@ import re
 import socket
 import struct
 
+from tiers.address import split_host_port, valid_port
+
 ANY_INTERFACE = "*"
 _INTERFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")  # IFNAMSIZ - 1, no '/' or spaces
 _SIOCGIFCONF = 0x8912
@@ -60,17 +62,13 @@ def check_listen_interface(value: str) -> str | None:
 
 def check_hostname(value: str) -> str | None:
     """What is wrong with a ``local_hostname`` (``host`` or ``host:port``), or ``None``."""
-    host, port = value, ""
-    if value.count(":") == 1:
-        host, port = value.split(":")
-    elif value.startswith("[") and "]:" in value:
-        host, port = value[1:].split("]:")
-    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+    host, port = split_host_port(value)
+    if port and not valid_port(port):
         return f"port {port!r} is not in 1..65535"
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        ipaddress.ip_address(host)
     except ValueError:
-        if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$", host):
+        if value.startswith("[") or not re.match(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$", host):
             return "expected an IP address or a host name of this machine"
     return None
 
@@ -81,11 +79,7 @@ def interface_for(where: str) -> str:
     names = {name for _, name in socket.if_nameindex()}
     if where in names:
         return where
-    host = where
-    if where.count(":") == 1:  # host:port
-        host = where.split(":")[0]
-    elif where.startswith("[") and "]" in where:
-        host = where[1 : where.index("]")]
+    host, _ = split_host_port(where)
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as exc:

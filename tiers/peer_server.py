@@ -55,6 +55,7 @@ import uvloop
 
 from policies import make_policy
 from tiers import peer_protocol as proto
+from tiers.address import Address
 from tiers.net_iface import bind_ucx_to
 from tiers.nixl_agent import create_agent
 from tiers.peer_auth import Credentials, read_token_file
@@ -400,10 +401,11 @@ class PeerServer:
 
 
 def _listen_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    try:
+        address = Address.parse(text, any_port=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT") from None
+    return address.host, address.port
 
 
 def _size(text: str) -> int:

@@ -74,6 +74,7 @@ from typing import cast
 import numpy as np
 import xxhash
 
+from tiers.address import Address
 from tiers.base import LowerTier, Row, TierError
 from tiers.buffer_address import buffer_address
 from tiers.fast_checksum import checksum_at
@@ -113,10 +114,11 @@ def rendezvous_owner(key: bytes, addresses: Sequence[str]) -> str:
 
 
 def _parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer {address!r} is not 'host:port'")
-    return host.strip("[]"), int(port)
+    try:
+        parsed = Address.parse(address)
+    except ValueError:
+        raise ValueError(f"peer {address!r} is not 'host:port'") from None
+    return parsed.host, parsed.port
 
 
 @dataclass(eq=False)

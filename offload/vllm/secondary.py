@@ -46,13 +46,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from offload.config import TierConfig, parse_config
+from offload.config import ConfigError, parse_tier
 from offload.namespace import Namespace
 from offload.peer_asks import PeerAsks
+from offload.tier_builder import build_tier
 from offload.tier_engine import OpKind, TierEngine
-from offload.tiering import build_tier
 from tiers.base import LowerTier
 from tiers.row_format import layout_id_from_fingerprint
+from tiers.settings import LowerTierSettings
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -211,10 +212,16 @@ class KVTierRemoteTier(_KVTierSecondaryTier):
     medium = Medium.STORAGE
 
 
-def _tier_config(kind: str, keys: dict[str, Any]) -> TierConfig:
-    """Validate a tier's keys with kvtier's own parser (same names and errors as the TOML)."""
-    parsed = parse_config({"tiers": [{"kind": "host", "capacity": 1}, {"kind": kind, **keys}]})
-    return parsed.tiers[1]
+def _tier_config(kind: str, keys: dict[str, Any]) -> LowerTierSettings:
+    """Validate a tier's keys with kvtier's own parser (same names and errors as the TOML).
+
+    Errors name it ``tiers[1]``: the tier right below vLLM's CPU tier, where it would be in
+    a kvtier configuration.
+    """
+    settings = parse_tier({"kind": kind, **keys}, "tiers[1]")
+    if not isinstance(settings, LowerTierSettings):
+        raise ConfigError(f"tiers[1].kind = {settings.kind!r}: there is exactly one host tier, the first")
+    return settings
 
 
 def primary_row_fingerprint(spec: OffloadingSpec, row_bytes: int) -> str:

@@ -18,6 +18,10 @@ kvtier's keys:
 
 A key that neither vLLM nor kvtier reads is logged once as a warning (vLLM adds keys
 between releases, so it is not an error).
+
+Only vLLM's keys are read here: the tier configuration is read and validated by
+``offload.config`` (its TOML file, its keys, its errors), after vLLM's host-tier keys are
+put into its first tier.
 """
 
 from __future__ import annotations
@@ -26,13 +30,12 @@ import copy
 import logging
 import os
 import tempfile
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offload.config import ConfigError, KVTierConfig, parse_config, parse_size
+from offload.config import ConfigError, KVTierConfig, parse_config, parse_size, read_toml
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +130,7 @@ def _raw_tier_config(value: Any) -> tuple[dict[str, Any], str]:
         source = "inline"
     elif isinstance(value, str | Path):
         path = Path(value)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"kvtier_config = {str(value)!r}: cannot read it: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"kvtier_config = {str(value)!r}: not valid TOML: {exc}") from exc
+        raw = read_toml(path, "kvtier_config")
         source = str(path)
     else:
         raise ConfigError(f"kvtier_config = {value!r}: expected a path to a TOML file or a table of tiers")

@@ -40,7 +40,7 @@ def test_opt_bounds_every_policy_and_every_chain(seed: int) -> None:
         chain = simulate(
             trace,
             [
-                TierSpec("host", host, "arc", placement={"write": "back"}),
+                TierSpec("host", host, "arc", placement={"write": "write-back"}),
                 TierSpec("disk", 3 * host, "lru", placement={"write": "none", "admit": "seen-twice"}),
             ],
             device,
@@ -76,7 +76,7 @@ def test_tiers_serve_the_run_after_the_device_and_write_back_spills_down() -> No
     assert host_only.tier_hits == [4]  # only the last two requests' blocks are still in the host tier
     chain = simulate(
         trace,
-        [TierSpec("host", 4, "lru", placement={"write": "back"}), TierSpec("disk", 20, "lru")],
+        [TierSpec("host", 4, "lru", placement={"write": "write-back"}), TierSpec("disk", 20, "lru")],
         0,
         hits,
     )

@@ -42,7 +42,7 @@ def test_full_file_parses(tmp_path):
         "/var/cache/kvtier",
     )
     remote = config.tiers[2]
-    assert remote.peers == ("127.0.0.1:7070", "127.0.0.1:7071")
+    assert tuple(map(str, remote.peers)) == ("127.0.0.1:7070", "127.0.0.1:7071")
     assert remote.deadline_s == 1.5
     assert (remote.lookup_wait_s, disk.lookup_wait_s) == (0.25, 0.0)
     assert remote.checksum_thread is False
@@ -275,3 +275,13 @@ def test_a_binary_file_is_a_config_error_naming_the_file_and_byte(tmp_path):
         load_config(binary)
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path)  # a directory
+
+
+def test_one_tier_table_parses_on_its_own_into_its_kinds_settings():
+    from offload.config import parse_tier
+    from tiers.settings import DiskSettings
+
+    disk = parse_tier({"kind": "disk", "path": "/x", "capacity": "1GiB"}, "tiers[1]")
+    assert disk == DiskSettings(capacity_bytes=1 << 30, path="/x", admission="seen-twice")
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.placement = 'x': expected one of"):
+        parse_tier({"kind": "disk", "path": "/x", "capacity": 1, "placement": "x"}, "tiers[1]")

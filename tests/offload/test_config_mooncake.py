@@ -1,10 +1,12 @@
-"""The ``kind = "mooncake"`` tier's keys: parsed into ``MooncakeConfig``, each error naming its key."""
+"""The ``kind = "mooncake"`` tier's keys: parsed into ``MooncakeSettings``, each error naming its key."""
 
 import sys
 
 import pytest
 
-from offload.config import ConfigError, MooncakeConfig, load_config, parse_config
+from offload.config import ConfigError, load_config, parse_config
+from tiers.address import Address
+from tiers.settings import MooncakeSettings
 
 GOOD = """
 [[tiers]]
@@ -40,8 +42,10 @@ def test_full_table_parses(tmp_path):
         5.0,
         "all",
     )
-    assert tier.mooncake == MooncakeConfig(
-        master="10.0.0.5:50051",
+    assert tier == MooncakeSettings(
+        capacity_bytes=16 << 30,
+        deadline_s=5.0,
+        master=Address.parse("10.0.0.5:50051"),
         metadata_server="http://10.0.0.5:8080/metadata",
         local_buffer_bytes=64 << 20,
         protocol="rdma",
@@ -54,7 +58,7 @@ def test_full_table_parses(tmp_path):
 def test_defaults():
     pytest.importorskip("mooncake.store")
     tier = parse_config({"tiers": tiers(master="127.0.0.1:50051")}).tiers[1]
-    assert tier.mooncake == MooncakeConfig(master="127.0.0.1:50051")
+    assert tier == MooncakeSettings(capacity_bytes=1 << 30, master=Address.parse("127.0.0.1:50051"))
     assert (tier.placement, tier.promotion, tier.deadline_s) == ("write-back", True, 2.0)
 
 
@@ -92,11 +96,11 @@ def test_without_the_package_the_error_names_the_tier_and_the_install_line(monke
 
 def test_listen_interface_reaches_the_tier():
     pytest.importorskip("mooncake.store")
-    from offload.tiering import build_tier
+    from offload.tier_builder import build_tier
 
     for value in ("", "lo", "10.0.0.7", "*"):
         tier = parse_config({"tiers": tiers(master="127.0.0.1:50051", listen_interface=value)}).tiers[1]
-        assert tier.mooncake is not None and tier.mooncake.listen_interface == value
+        assert isinstance(tier, MooncakeSettings) and tier.listen_interface == value
         built = build_tier(tier, b"n" * 16, b"L" * 16, 4096, frozenset())
         assert built.listen_interface == value  # what open() ties the listeners to after setup
 

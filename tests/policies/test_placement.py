@@ -15,7 +15,7 @@ def test_defaults_are_write_back_admit_all_promote() -> None:
 
 
 def test_write_through_and_none() -> None:
-    through = make_placement({"write": "through", "promote": False}, 10)
+    through = make_placement({"write": "write-through", "promote": False}, 10)
     assert through.copy_down_on_store() and not through.copy_down_on_evict() and not through.promote_on_hit()
     last = make_placement({"write": "none"}, 10)
     assert not last.copy_down_on_store() and not last.copy_down_on_evict()
@@ -62,5 +62,5 @@ def test_bad_placement_config_is_a_value_error_naming_the_field(config: dict, fr
 
 
 def test_placement_is_a_plain_value() -> None:
-    assert Placement().write == "back"
+    assert Placement().write == "write-back"
     assert make_admission("all", 1).admit(object())

@@ -31,6 +31,7 @@ import uvloop
 
 from tiers.base import TierError
 from tiers.disk import DiskTier
+from tiers.settings import DiskSettings
 
 NAMESPACE = b"storm-namespace!"
 LAYOUT_ID = b"storm-layout-id!"
@@ -53,7 +54,7 @@ def expected_row(key: bytes) -> bytes:
 
 
 def make_tier(path: str, sync: bool = False) -> DiskTier:
-    return DiskTier(path, CAPACITY, NAMESPACE, LAYOUT_ID, sync=sync)
+    return DiskTier(DiskSettings(path=path, capacity_bytes=CAPACITY), NAMESPACE, LAYOUT_ID, sync=sync)
 
 
 async def storm(path: str, report: str, seed: int, sync: bool) -> None:

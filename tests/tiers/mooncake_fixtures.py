@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from tests.tiers.peer_fixtures import LAYOUT, die_with_parent
+from tiers.address import Address
 from tiers.mooncake import MooncakeTier
 from tiers.mooncake_master import MasterProcess, free_port
+from tiers.settings import MooncakeSettings
 
 __all__ = ["SEGMENT", "MasterProcess", "free_port", "open_tier", "start_master"]
 
@@ -24,9 +27,15 @@ def start_master(log_dir: Path) -> MasterProcess:
 async def open_tier(
     master: MasterProcess, host: memoryview, *, namespace: bytes = b"ns-mooncake", **kwargs
 ) -> AsyncIterator[MooncakeTier]:
-    """A tier with its own 32 MiB segment (so each test's rows live in its own memory)."""
-    kwargs.setdefault("segment_bytes", SEGMENT)
-    tier = MooncakeTier(master.address, namespace.ljust(16, b"\x00"), LAYOUT, **kwargs)
+    """A tier with its own 32 MiB segment (so each test's rows live in its own memory);
+    ``kwargs`` are ``MooncakeSettings`` fields, or the constructor's other arguments."""
+    keys = {f.name for f in dataclasses.fields(MooncakeSettings)}
+    settings = MooncakeSettings(
+        capacity_bytes=SEGMENT,
+        master=Address.parse(master.address),
+        **{k: kwargs.pop(k) for k in list(kwargs) if k in keys},
+    )
+    tier = MooncakeTier(settings, namespace.ljust(16, b"\x00"), LAYOUT, **kwargs)
     await tier.open(host)
     try:
         yield tier

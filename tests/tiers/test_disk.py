@@ -30,6 +30,7 @@ from tiers.base import TierError
 from tiers.disk import DiskTier
 from tiers.lmdb_store import INDEX_DB, PAGE, ROWS_FILE, SLOT_MAGIC, TRAILER_BYTES, Entry, LmdbStore
 from tiers.row_format import RowHeader
+from tiers.settings import DiskSettings
 
 NS_A = b"A" * 16
 NS_B = b"B" * 16
@@ -95,7 +96,12 @@ def flip_byte(path: Path, offset: int) -> None:
 
 @contextlib.asynccontextmanager
 async def opened(path: Path, namespace: bytes = NS_A, layout: bytes = LAYOUT, **kwargs):
-    tier = DiskTier(str(path), kwargs.pop("capacity", 64 << 20), namespace, layout, **kwargs)
+    settings = DiskSettings(
+        path=str(path),
+        capacity_bytes=kwargs.pop("capacity", 64 << 20),
+        eviction=kwargs.pop("eviction", "lru"),
+    )
+    tier = DiskTier(settings, namespace, layout, **kwargs)
     await tier.open()
     try:
         yield tier
@@ -240,7 +246,7 @@ async def test_random_operations_agree_with_a_model(tmp_path):
     path = tmp_path / "t"
     sizes = [700, 5_000, 40_000]
     latest: dict[bytes, bytes] = {}  # key -> the last row put under it
-    tier = DiskTier(str(path), 12 * 45_000, NS_A, LAYOUT, eviction="s3fifo")
+    tier = DiskTier(DiskSettings(path=str(path), capacity_bytes=12 * 45_000, eviction="s3fifo"), NS_A, LAYOUT)
     await tier.open()
     for step in range(250):
         keys = [key(rng.randrange(60), rng.randrange(3)) for _ in range(rng.randint(1, 5))]
@@ -266,7 +272,9 @@ async def test_random_operations_agree_with_a_model(tmp_path):
         assert tier.stats()["bytes"] <= tier.capacity_bytes
         if step == 125:  # a restart in the middle changes nothing
             await tier.close()
-            tier = DiskTier(str(path), 12 * 45_000, NS_A, LAYOUT, eviction="s3fifo")
+            tier = DiskTier(
+                DiskSettings(path=str(path), capacity_bytes=12 * 45_000, eviction="s3fifo"), NS_A, LAYOUT
+            )
             await tier.open()
     resident = {k for k in latest if tier.may_contain(k)}
     assert tier.stats()["rows"] == len(resident) > 0 and tier.stats()["corrupt"] == 0
@@ -477,7 +485,7 @@ async def test_an_unusable_directory_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(TierError, match=r"a-file/disk.*cannot create the directory"):
-        await DiskTier(str(blocker / "disk"), 1 << 20, NS_A, LAYOUT).open()
+        await DiskTier(DiskSettings(path=str(blocker / "disk"), capacity_bytes=1 << 20), NS_A, LAYOUT).open()
 
 
 async def test_a_read_only_directory_is_a_clear_error(tmp_path):
@@ -492,7 +500,7 @@ async def test_a_read_only_directory_is_a_clear_error(tmp_path):
         undo = ["chmod", "755", str(path)]
     try:
         with pytest.raises(TierError, match=r"ro'.*not writable"):
-            await DiskTier(str(path), 1 << 20, NS_A, LAYOUT).open()
+            await DiskTier(DiskSettings(path=str(path), capacity_bytes=1 << 20), NS_A, LAYOUT).open()
     finally:
         subprocess.run(undo, check=True)
 
@@ -500,7 +508,9 @@ async def test_a_read_only_directory_is_a_clear_error(tmp_path):
 async def test_a_second_open_in_this_process_is_refused(tmp_path):
     async with opened(tmp_path / "t"):
         with pytest.raises(TierError, match=f"locked by process {os.getpid()}"):
-            await DiskTier(str(tmp_path / "t"), 1 << 20, NS_B, LAYOUT).open()
+            await DiskTier(
+                DiskSettings(path=str(tmp_path / "t"), capacity_bytes=1 << 20), NS_B, LAYOUT
+            ).open()
 
 
 def spawn_child(*args: str, **kwargs) -> subprocess.Popen:

@@ -20,9 +20,11 @@ pytest.importorskip("mooncake.store")
 
 from tests.tiers.mooncake_fixtures import SEGMENT, free_port, open_tier, start_master
 from tests.tiers.peer_fixtures import LAYOUT, HostRows, aligned_buffer, key
+from tiers.address import Address
 from tiers.base import TierError
 from tiers.mooncake import MooncakeTier, object_key
 from tiers.row_format import RowHeader, checksum
+from tiers.settings import MooncakeSettings
 
 KIB = 1024
 MIB = 1 << 20
@@ -149,11 +151,9 @@ async def test_master_killed_and_restarted_misses_meanwhile_then_recovers(tmp_pa
     master = start_master(tmp_path)
     rows, keys = rows_and_keys([64 * KIB] * 6, seed=6)
     tier = MooncakeTier(
-        master.address,
+        MooncakeSettings(capacity_bytes=SEGMENT, master=Address.parse(master.address), deadline_s=1.0),
         b"restart".ljust(16, b"\0"),
         LAYOUT,
-        segment_bytes=SEGMENT,
-        deadline_s=1.0,
         backoff_s=0.2,
         max_backoff_s=0.5,
     )
@@ -216,7 +216,8 @@ async def test_a_hung_master_costs_one_deadline_then_calls_skip_it_until_it_answ
 
 async def test_an_unreachable_master_fails_open_with_its_address(tmp_path):
     host = aligned_buffer(MIB)
-    tier = MooncakeTier(f"127.0.0.1:{free_port()}", b"n" * 16, LAYOUT, segment_bytes=0, open_timeout_s=1.0)
+    settings = MooncakeSettings(capacity_bytes=0, master=Address.parse(f"127.0.0.1:{free_port()}"))
+    tier = MooncakeTier(settings, b"n" * 16, LAYOUT, open_timeout_s=1.0)
     start = time.monotonic()
     with pytest.raises(TierError, match=f"no master listens at {tier.master}"):
         await tier.open(memoryview(host))
@@ -226,4 +227,6 @@ async def test_an_unreachable_master_fails_open_with_its_address(tmp_path):
 def test_without_the_package_the_tier_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # what an absent package looks like
     with pytest.raises(TierError, match=r"pip install 'kvtier\[mooncake\]'.*libibverbs1"):
-        MooncakeTier("127.0.0.1:1", b"n" * 16, LAYOUT)
+        MooncakeTier(
+            MooncakeSettings(capacity_bytes=1 << 30, master=Address.parse("127.0.0.1:1")), b"n" * 16, LAYOUT
+        )

@@ -81,3 +81,13 @@ def test_cpu_spec_keys_without_an_equivalent_are_warned_about(caplog):
     text = caplog.text
     assert "store_threshold = 2 has no effect" in text
     assert "['my_typo']" in text
+
+
+def test_a_kvtier_config_file_is_read_by_offload_config(tmp_path):
+    path = tmp_path / "tiers.toml"
+    path.write_bytes(b'[[tiers]]\nkind = "host"\n\xff')
+    with pytest.raises(ConfigError, match=r"kvtier_config = .*tiers\.toml': not a TOML file: byte 24"):
+        parse(kvtier_config=str(path), cpu_bytes_to_use=1 << 30)
+    path.write_text("[[tiers]\n")
+    with pytest.raises(ConfigError, match=r"kvtier_config = .*: not valid TOML"):
+        parse(kvtier_config=str(path), cpu_bytes_to_use=1 << 30)
