@@ -45,8 +45,8 @@ import uvloop
 
 from bench.report import write_json
 from tiers.fast_checksum import checksum_at
-from tiers.nixl_agent import create_agent, descriptors
 from tiers.remote import RemoteTier
+from tiers.remote.nixl_agent import create_agent, descriptors
 from tiers.sizes import parse_size
 
 TARGET = 0.8
@@ -172,7 +172,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
     peer, ready = spawn(
         [
             "-m",
-            "tiers.peer_server",
+            "tiers.remote.server",
             "--listen",
             "127.0.0.1:0",
             "--capacity",

@@ -57,7 +57,7 @@ from typing import Any
 from policies import make_policy
 from policies.placement import ADMISSIONS
 from tiers import sizes
-from tiers.peer_protocol import valid_tenant
+from tiers.remote.protocol import valid_tenant
 
 
 class ConfigError(ValueError):
@@ -303,9 +303,9 @@ def _parse_tier(raw: Any, where: str) -> TierConfig:
 
 def _parse_mooncake(raw: Mapping[str, Any], tier: TierConfig, where: str) -> TierConfig:
     """The Mooncake keys; also checks that the Mooncake client imports (else: how to install it)."""
-    from tiers import mooncake_listen
     from tiers.base import TierError
     from tiers.mooncake import MIN_SEGMENT_BYTES, store_class
+    from tiers.mooncake import listen as mooncake_listen
 
     prefix = f"{where}."
     master = raw.get("master")

@@ -1,4 +1,4 @@
-"""A real ``mooncake_master`` for tests (``tiers.mooncake_master``), and tiers that join it."""
+"""A real ``mooncake_master`` for tests (``bench.mooncake_master``), and tiers that join it."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from bench.mooncake_master import MasterProcess, free_port
 from tests.tiers.peer_fixtures import LAYOUT, die_with_parent
 from tiers.mooncake import MooncakeTier
-from tiers.mooncake_master import MasterProcess, free_port
 
 __all__ = ["SEGMENT", "MasterProcess", "free_port", "open_tier", "start_master"]
 

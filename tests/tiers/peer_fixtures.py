@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiers import peer_protocol as proto
 from tiers.remote import RemoteTier
+from tiers.remote import protocol as proto
 
 # Peers and clients here talk over 127.0.0.1 only; without this UCX also listens on every
 # other interface of the machine for its wire-up.
@@ -45,7 +45,7 @@ def die_with_parent() -> None:
 
 
 class PeerProcess:
-    """One ``python -m tiers.peer_server`` child."""
+    """One ``python -m tiers.remote.server`` child."""
 
     def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         """``env``: the child's whole environment (default: this process's, NIXL quiet)."""
@@ -53,7 +53,7 @@ class PeerProcess:
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
         env = env if env is not None else {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiers.peer_server", *args],
+            [sys.executable, "-m", "tiers.remote.server", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

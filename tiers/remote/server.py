@@ -2,14 +2,14 @@
 
     kvtier peer --listen HOST:PORT --capacity SIZE [--row-bytes SIZE] [--token-file F] [--policy NAME]
 
-``--token-file`` maps tokens to tenants (``tiers/peer_auth.py``); each connection acts as
+``--token-file`` maps tokens to tenants (``tiers/remote/auth.py``); each connection acts as
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
 The pool is one buffer, pre-faulted, registered with NIXL once per run of slots (one run
 per tenant of the token file, else one) and kept registered for the life of the process
 (deregistering would not revoke a client's access anyway; what a client may touch is
-guarded by protocol, in ``tiers/peer_pool.py``, and by the transport: ``ServedMemory``).
+guarded by protocol, in ``tiers/remote/pool.py``, and by the transport: ``ServedMemory``).
 It is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
 share the slots, a smaller row uses the head of its slot). Fixed slots keep a slot's
 address a multiplication and make eviction a one-for-one swap; vLLM pads every group's page
@@ -17,7 +17,7 @@ to one size anyway, so little is wasted.
 
 Data never passes through this process's code: clients READ and WRITE slots with NIXL
 (one-sided; over CMA the copy is done by the client's kernel call). The peer only runs the
-control plane (``tiers/peer_protocol.py``) on one uvloop event loop: handshake, two-phase
+control plane (``tiers/remote/protocol.py``) on one uvloop event loop: handshake, two-phase
 put (allocate, client writes, commit), get (slots and a lease, client reads, release),
 contains, delete, stats. Its NIXL agent has no progress thread; the loop progresses it
 every millisecond while clients are connected (a new client's first transfer needs the
@@ -54,11 +54,11 @@ import numpy as np
 import uvloop
 
 from policies import make_policy
-from tiers import peer_protocol as proto
-from tiers.net_iface import bind_ucx_to
-from tiers.nixl_agent import create_agent
-from tiers.peer_auth import Credentials, read_token_file
-from tiers.peer_pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.remote import protocol as proto
+from tiers.remote.auth import Credentials, read_token_file
+from tiers.remote.net_iface import bind_ucx_to
+from tiers.remote.nixl_agent import create_agent
+from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
 from tiers.sizes import parse_size
 
 log = logging.getLogger("kvtier.peer")

@@ -55,9 +55,9 @@ import lmdb
 
 from policies import make_policy
 from tiers.base import LowerTier, Row, TierError
-from tiers.dir_lock import DirLock
-from tiers.disk_index import DiskIndex
-from tiers.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
+from tiers.disk.dir_lock import DirLock
+from tiers.disk.index import DiskIndex
+from tiers.disk.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
 from tiers.row_format import LAYOUT_ID_BYTES
 
 log = logging.getLogger(__name__)

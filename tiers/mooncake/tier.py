@@ -55,7 +55,7 @@ reads, overwrites and removes any object (``remove_by_regex`` included), kvtier'
 every namespace among them; the namespace keeps tenants apart only from each other's
 *lookups*. And the transfer engine in this process listens on every interface, serving
 reads and writes of the memory registered with it (the segment, and the whole host tier)
-to whoever connects (``tiers.mooncake_listen``). So the tier ties those listeners to one interface after
+to whoever connects (``tiers.mooncake.listen``). So the tier ties those listeners to one interface after
 ``setup`` (``listen_interface``: by default the one holding ``local_hostname``, the
 loopback unless configured) and a cluster must run on a private network: the tier's
 integrity checks (header, checksum) catch corrupted rows, not a hostile client.
@@ -81,9 +81,9 @@ from typing import Any
 
 import numpy as np
 
-from tiers import mooncake_listen
 from tiers.base import LowerTier, Row, TierError
 from tiers.fast_checksum import checksum_at
+from tiers.mooncake import listen as mooncake_listen
 from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
 
 log = logging.getLogger(__name__)

@@ -22,13 +22,13 @@ Owners are connection ids: closing a connection gives back its allocations and l
 once. Pure Python, single-threaded (the peer's event loop), no I/O: testable alone.
 
 **Tenants.** Every verb takes the tenant its connection authenticated as
-(``tiers/peer_auth.py``), and every key lives in that tenant's namespace (the index key is
+(``tiers/remote/auth.py``), and every key lives in that tenant's namespace (the index key is
 ``tenant NUL key``; tenant names hold no NUL), so a tenant's GET, CONTAINS, DELETE and PUT
 never see or touch another tenant's rows, and its STATS count only its own. With
 ``quotas`` each tenant owns a fixed run of slots, its quota (``slot_range``), holds rows
 (stored, pending, retired) only there, and makes room only by evicting its **own** rows:
 flooding by one tenant evicts nothing of another's, and the peer can register each run
-with NIXL apart and hand a tenant's clients only their run (``tiers/peer_server.py``).
+with NIXL apart and hand a tenant's clients only their run (``tiers/remote/server.py``).
 Without quotas (a peer without a token) the tenants share one pool and one eviction order.
 """
 
@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.base import EvictionPolicy
-from tiers.peer_protocol import EXISTS, NO_SLOT
+from tiers.remote.protocol import EXISTS, NO_SLOT
 from tiers.row_format import RowHeader
 
 

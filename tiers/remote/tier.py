@@ -20,7 +20,7 @@ How a batch moves (per owner peer, all owners concurrently):
   other's rows move.
 
 Checksums overlap the copies where a core is free for it. On loopback UCX copies with CMA
-inside ``transfer()`` on the agent's thread (``tiers/nixl_agent.py``), so a second thread
+inside ``transfer()`` on the agent's thread (``tiers/remote/nixl_agent.py``), so a second thread
 hashes part k (a put hashes the rows it just wrote, a get verifies the rows it just read)
 while the agent's thread copies part k+1; the hash releases the GIL
 (``tiers/fast_checksum.py``) and finds the part's rows still in cache (xxh3 runs at about
@@ -40,14 +40,14 @@ retried after an exponential backoff (``backoff_s`` doubling to ``max_backoff_s`
 restarted peer (new instance, new NIXL metadata) rejoins on its next successful handshake.
 A READ is never abandoned while it may still write a caller's buffer: a transfer that
 misses its deadline has its handle released and the remote agent removed before the call
-returns (``tiers/nixl_agent.py``).
+returns (``tiers/remote/nixl_agent.py``).
 
 Keys on the wire are ``namespace + key``: the namespace (a digest that includes the tenant
 salt) keeps engines that must not share rows apart. Tenants are kept apart by the peer
 itself: the client claims ``tenant`` in its handshake, the peer accepts the claim only if
 the token grants it, and keeps each tenant's rows in its own namespace and quota
-(``tiers/peer_pool.py``). A peer's NIXL metadata is used only after the WELCOME carrying it
-verified, and after it passed ``tiers/nixl_metadata.py``'s shape checks (malformed metadata
+(``tiers/remote/pool.py``). A peer's NIXL metadata is used only after the WELCOME carrying it
+verified, and after it passed ``tiers/remote/nixl_metadata.py``'s shape checks (malformed metadata
 crashed NIXL; now it is a peer that cannot be used).
 
 Threads: the coroutines run on the caller's event loop; NIXL runs on the agent's own
@@ -77,10 +77,10 @@ import xxhash
 from tiers.base import LowerTier, Row, TierError
 from tiers.buffer_address import buffer_address
 from tiers.fast_checksum import checksum_at
-from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors, quietly
-from tiers.nixl_metadata import MetadataError, check_peer_metadata
-from tiers.peer_client import PeerClient, PeerRefused, PeerTimeout, PeerUnavailable
-from tiers.peer_protocol import (
+from tiers.remote.client import PeerClient, PeerRefused, PeerTimeout, PeerUnavailable
+from tiers.remote.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors, quietly
+from tiers.remote.nixl_metadata import MetadataError, check_peer_metadata
+from tiers.remote.protocol import (
     DEFAULT_TENANT,
     EXISTS,
     INSTANCE_ID_BYTES,
