@@ -196,7 +196,7 @@ class Offloader:
             converter = lower.engine.converter
             landed = converter.converted if converter is not None else 0
             stats["lower"]["rows_converted"] = landed + self.worker.rows_converted  # type: ignore[index]
-            stats["tiers"] = {tier.kind: tier.stats() for tier in lower.tiers}
+            stats["tiers"] = {tier.kind: dict(tier.stats()) for tier in lower.tiers}
         return stats
 
     def metrics_text(self) -> str:

@@ -59,6 +59,7 @@ from tiers.remote.auth import Credentials, read_token_file
 from tiers.remote.net_iface import bind_ucx_to
 from tiers.remote.nixl_agent import create_agent
 from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.shared import split_host_port
 from tiers.sizes import parse_size
 
 log = logging.getLogger("kvtier.peer")
@@ -400,10 +401,10 @@ class PeerServer:
 
 
 def _listen_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    try:
+        return split_host_port(text, port_zero=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT") from None
 
 
 def _size(text: str) -> int:
