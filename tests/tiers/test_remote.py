@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier, start_peers
+from tiers.remote import data_plane as remote_module
 from tiers.remote import protocol as proto
 from tiers.remote import rendezvous_owner
-from tiers.remote import tier as remote_module
 from tiers.remote.server import parse_args
 from tiers.row_format import RowHeader
 
