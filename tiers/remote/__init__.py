@@ -1,10 +1,13 @@
 """The remote tier: rows in the memory of ``kvtier peer`` processes, moved by NIXL.
 
 ``from tiers.remote import RemoteTier`` is the public path. The tier (``tier``) composes
-the rest: the wire protocol (``protocol``), the control-plane client (``client``), the
-NIXL agent's thread (``nixl_agent``) and peer-metadata checks (``nixl_metadata``); the
-peer server is ``server`` (``python -m tiers.remote.server``, ``kvtier peer``) with its
-pool (``pool``), tokens (``auth``) and interface binding (``net_iface``).
+``membership`` (which peers are up; backoff), ``routing`` (rendezvous owner of a key) and
+``data_plane`` (parts, checksums, NIXL transfers), which speak the wire protocol
+(``protocol``) through the control-plane client (``client``) and drive the NIXL agent's
+thread (``nixl_agent``) after peer-metadata checks (``nixl_metadata``); ``stats`` holds
+their counters. The peer server is ``server`` (``python -m tiers.remote.server``,
+``kvtier peer``) with its pool (``pool``), tokens (``auth``) and interface binding
+(``net_iface``).
 
 The tier is imported lazily (module ``__getattr__``): NIXL is an import of ``tier``, and
 ``offload/config.py`` reads ``protocol`` (tenant names) where NIXL need not be present.
