@@ -47,25 +47,11 @@ class TierError(RuntimeError):
 
 
 @dataclass
-class TierStats(Mapping[str, float]):
-    """A tier's counters and levels, as typed fields (each tier subclasses it as a dataclass).
-
-    Every tier reports at least ``REQUIRED`` (checked when a subclass is declared): ``hits``
-    and ``misses`` (rows its ``get`` served / missed), ``stored`` and ``dropped`` (rows its
-    ``put`` kept / did not) and ``corrupt`` (rows refused by their header or checksum); where
-    it knows them, ``evictions``, ``rows`` and ``capacity_bytes``. Readers that predate the
-    types (the metrics, ``Offloader.stats()``, benchmarks) read it as the mapping of field
-    names to values it also is, in declaration order; ``dict(stats)`` is the plain dict.
-    """
-
-    REQUIRED: ClassVar[tuple[str, ...]] = ("hits", "misses", "stored", "dropped", "corrupt")
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        annotations = inspect.get_annotations(cls)
-        missing = [name for name in TierStats.REQUIRED if name not in annotations and not hasattr(cls, name)]
-        if missing:
-            raise TypeError(f"{cls.__name__} lacks the stats every tier reports: {missing}")
+class Stats(Mapping[str, float]):
+    """Counters and levels as typed dataclass fields that also read as the mapping of field
+    names to values, in declaration order (``stats["hits"]``, ``dict(stats)``): readers that
+    predate the types (the metrics, ``Offloader.stats()``, the peer's STATS reply,
+    benchmarks) keep working, and every writer names its field, so a typo is an error."""
 
     def _names(self) -> tuple[str, ...]:
         return tuple(f.name for f in fields(self))
@@ -80,6 +66,26 @@ class TierStats(Mapping[str, float]):
 
     def __len__(self) -> int:
         return len(fields(self))
+
+
+@dataclass
+class TierStats(Stats):
+    """A lower tier's counters and levels (each tier subclasses it as a dataclass).
+
+    Every tier reports at least ``REQUIRED`` (checked when a subclass is declared): ``hits``
+    and ``misses`` (rows its ``get`` served / missed), ``stored`` and ``dropped`` (rows its
+    ``put`` kept / did not) and ``corrupt`` (rows refused by their header or checksum); where
+    it knows them, ``evictions``, ``rows`` and ``capacity_bytes``.
+    """
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("hits", "misses", "stored", "dropped", "corrupt")
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        annotations = inspect.get_annotations(cls)
+        missing = [name for name in TierStats.REQUIRED if name not in annotations and not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__} lacks the stats every tier reports: {missing}")
 
 
 class LowerTier(ABC):
