@@ -11,7 +11,7 @@ flipped bit or a foreign row is therefore a miss, never garbage.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Set
+from collections.abc import Callable, Collection, Set
 from dataclasses import dataclass
 
 import xxhash
@@ -26,6 +26,14 @@ HEADER_BYTES = _HEADER.size
 def checksum(row: memoryview | bytes) -> int:
     """xxh3-64 of the row: fast enough (~10 GB/s) to verify every row on every read."""
     return xxhash.xxh3_64_intdigest(row)
+
+
+def served_layouts(layout_id: bytes, readable: Collection[bytes] = ()) -> frozenset[bytes]:
+    """The layout ids a tier serves: its own (``ValueError`` unless ``LAYOUT_ID_BYTES``
+    long) and ``readable``, the layouts its owner converts from."""
+    if len(layout_id) != LAYOUT_ID_BYTES:
+        raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+    return frozenset({bytes(layout_id), *readable})
 
 
 def layout_id_from_fingerprint(fingerprint: str) -> bytes:

@@ -12,6 +12,7 @@ import ctypes
 import ipaddress
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,11 @@ class HostRegion:
         array = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=np.uint8)
         return cls(array.ctypes.data, array.nbytes)
 
+    def rows(self, rows: Sequence[tuple[bytes, Any]]) -> tuple[list[memoryview], list[int]]:
+        """Flat byte views of the rows of ``(key, row)`` pairs, and their checked addresses."""
+        views = [byte_view(row) for _, row in rows]
+        return views, [self.address(view) for view in views]
+
     def address(self, view: memoryview) -> int:
         """The address of ``view`` (a flat byte view), checked to lie inside the region."""
         addr = address_of(view) if len(view) else self.addr
@@ -96,6 +102,12 @@ class KnownKeys:
         self._keys[key] = None
         if len(self._keys) > self.limit:
             del self._keys[next(iter(self._keys))]
+
+    def add_stored(self, rows: Sequence[tuple[bytes, Any]], stored: Sequence[bool]) -> None:
+        """Remember the key of each row a ``put`` stored (``stored``: its result)."""
+        for (key, _), done in zip(rows, stored, strict=True):
+            if done:
+                self.add(bytes(key))
 
     def discard(self, key: bytes) -> None:
         self._keys.pop(key, None)

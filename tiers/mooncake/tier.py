@@ -84,8 +84,8 @@ import numpy as np
 from tiers.base import LowerTier, Row, TierError, TierStats
 from tiers.fast_checksum import checksum_at
 from tiers.mooncake import listen as mooncake_listen
-from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
-from tiers.shared import Backoff, HostRegion, KnownKeys, byte_view, split_host_port
+from tiers.row_format import HEADER_BYTES, RowHeader, served_layouts, verify
+from tiers.shared import Backoff, HostRegion, KnownKeys, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,7 @@ class MooncakeTier(LowerTier):
         max_tracked_keys: int = 1 << 20,
         readable_layouts: Collection[bytes] = (),
     ) -> None:
-        if len(layout_id) != LAYOUT_ID_BYTES:
-            raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+        layouts = served_layouts(layout_id, readable_layouts)
         if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes = {segment_bytes}: the store needs 0 or at least 16 MiB")
         if not deadline_s > 0 or threads < 1 or replicas < 1 or max_rows_in_flight < 1:
@@ -274,7 +273,7 @@ class MooncakeTier(LowerTier):
         self.master = master
         self.namespace = bytes(namespace)
         self.layout_id = bytes(layout_id)
-        self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
+        self.layouts = layouts  # what get may serve
         self.metadata_server = metadata_server
         self.segment_bytes = segment_bytes
         self.local_buffer_bytes = local_buffer_bytes
@@ -460,9 +459,7 @@ class MooncakeTier(LowerTier):
         self._stats.errors += len(errors)
         self._stats.stored += sum(stored)
         self._stats.dropped += len(rows) - sum(stored)
-        for (key, _), done in zip(rows, stored, strict=True):
-            if done:
-                self._known.add(bytes(key))
+        self._known.add_stored(rows, stored)
         return stored
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
@@ -520,8 +517,7 @@ class MooncakeTier(LowerTier):
         per row (``_SKIPPED`` for rows the call never reached)."""
         if not rows or not await self._usable(len(rows)):
             return [_SKIPPED] * len(rows)
-        views = [byte_view(row) for _, row in rows]
-        addrs = [self._host.address(view) for view in views]  # a row outside the host buffer fails here
+        views, addrs = self._host.rows(rows)  # a row outside the host buffer fails here
         names = [object_key(self.namespace, bytes(key)) for key, _ in rows]
         headers = self._headers
         assert headers is not None

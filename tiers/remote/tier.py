@@ -48,8 +48,8 @@ from tiers.remote.nixl_agent import GRACE_S, AgentThread, TransferError, Transfe
 from tiers.remote.protocol import DEFAULT_TENANT, MAX_KEYS, valid_tenant
 from tiers.remote.routing import batches, group_by_owner, rendezvous_owner, wire_keys
 from tiers.remote.stats import RemoteStats
-from tiers.row_format import LAYOUT_ID_BYTES
-from tiers.shared import Backoff, HostRegion, KnownKeys, byte_view
+from tiers.row_format import served_layouts
+from tiers.shared import Backoff, HostRegion, KnownKeys
 
 __all__ = ["RemoteTier", "rendezvous_owner"]
 
@@ -101,8 +101,7 @@ class RemoteTier(LowerTier):
             raise ValueError("the remote tier needs at least one peer")
         if len(set(peers)) != len(peers):
             raise ValueError(f"peers {list(peers)} name a peer twice")
-        if len(layout_id) != LAYOUT_ID_BYTES:
-            raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+        layouts = served_layouts(layout_id, readable_layouts)
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
         if not valid_tenant(tenant):
@@ -111,7 +110,7 @@ class RemoteTier(LowerTier):
             raise ValueError(f"keys_per_request must be in 1..{MAX_KEYS}")
         self.namespace = bytes(namespace)
         self.layout_id = bytes(layout_id)
-        self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
+        self.layouts = layouts  # what get may serve
         self.token = token
         self.tenant = tenant
         self.deadline_s = deadline_s
@@ -217,9 +216,7 @@ class RemoteTier(LowerTier):
         ok = sum(stored)
         self._stats.stored += ok
         self._stats.dropped += len(rows) - ok
-        for (key, _), done in zip(rows, stored, strict=True):
-            if done:
-                self._known.add(bytes(key))
+        self._known.add_stored(rows, stored)
         return stored
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
@@ -289,8 +286,7 @@ class RemoteTier(LowerTier):
         deadline = self._deadline()
         done = [False] * len(rows)
         wire = wire_keys(self.namespace, [key for key, _ in rows])
-        views = [byte_view(row) for _, row in rows]
-        addrs = [self._host.address(view) for view in views]  # a row outside the host buffer fails here
+        views, addrs = self._host.rows(rows)  # a row outside the host buffer fails here
 
         async def on_owner(link: Link, idxs: list[int]) -> None:
             parts = batches(idxs, self.keys_per_request)
