@@ -38,7 +38,7 @@ import uvloop
 
 from bench.report import write_json
 from tiers.disk import DiskTier
-from tiers.lmdb_store import DATA_FILES
+from tiers.disk.lmdb_store import DATA_FILES
 from tiers.settings import DiskSettings
 
 ROW_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # layers x (K, V) x tokens x KV heads x head dim x bf16

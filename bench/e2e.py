@@ -239,7 +239,7 @@ def local_peer(workdir: Path, capacity: int, row_bytes: int) -> Iterator[tuple[s
     token.write_bytes(os.urandom(32).hex().encode())
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
     env.setdefault("UCX_NET_DEVICES", "lo")
-    args = ["-m", "tiers.peer_server", "--listen", "127.0.0.1:0", "--capacity", str(capacity)]
+    args = ["-m", "tiers.remote.server", "--listen", "127.0.0.1:0", "--capacity", str(capacity)]
     args += ["--row-bytes", str(row_bytes), "--token-file", str(token)]
     proc, ready = spawn(args, env)
     try:

@@ -31,12 +31,12 @@ import numpy as np
 import uvloop
 
 from bench import remote
+from bench.mooncake_master import MasterProcess
 from bench.remote import _die_with_parent, _timed, aligned_zeros, spawn
 from bench.report import write_json
 from tiers.address import Address
 from tiers.fast_checksum import checksum_at
 from tiers.mooncake import MIN_SEGMENT_BYTES, MooncakeTier, object_key, store_class
-from tiers.mooncake_master import MasterProcess
 from tiers.settings import MooncakeSettings
 
 TARGET = 0.8

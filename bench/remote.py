@@ -44,9 +44,11 @@ import numpy as np
 import uvloop
 
 from bench.report import write_json
+from tiers.address import Address
 from tiers.fast_checksum import checksum_at
-from tiers.nixl_agent import create_agent, descriptors
 from tiers.remote import RemoteTier
+from tiers.remote.nixl_agent import create_agent, descriptors
+from tiers.settings import RemoteSettings
 from tiers.sizes import parse_size
 
 TARGET = 0.8
@@ -172,7 +174,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
     peer, ready = spawn(
         [
             "-m",
-            "tiers.peer_server",
+            "tiers.remote.server",
             "--listen",
             "127.0.0.1:0",
             "--capacity",
@@ -196,13 +198,17 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
         dst_rows = [view[(rows + i) * row_bytes : (rows + i + 1) * row_bytes] for i in range(rows)]
         src_addrs = [host.ctypes.data + i * row_bytes for i in range(rows)]
         dst_addrs = [a + rows * row_bytes for a in src_addrs]
+        settings = RemoteSettings(
+            capacity_bytes=rows * row_bytes,
+            peers=(Address.parse(address),),
+            checksum_thread=args.checksum_thread == "on",
+        )
         tier = RemoteTier(
-            [address],
+            settings,
             namespace=os.urandom(16),
             layout_id=b"bench-remote-v1\0",
             token=token_file.read_bytes().strip(),
             transfer_bytes=args.transfer_bytes,
-            checksum_thread=args.checksum_thread == "on",
         )
         await tier.open(view)
         if not tier.peers_up():

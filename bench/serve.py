@@ -88,7 +88,7 @@ def _peer(workdir: Path, sizes: Sizes) -> Iterator[dict[str, Any]]:
         "--row-bytes",
         str(sizes.row_bytes),
     ]
-    process, ready = spawn(["-m", "tiers.peer_server", *args, "--token-file", str(token_file)], env)
+    process, ready = spawn(["-m", "tiers.remote.server", *args, "--token-file", str(token_file)], env)
     try:
         address = ready.split()[4].rstrip(":")
         yield {"kind": "remote", "peers": [address], "token_file": str(token_file), "deadline_s": 2.0}

@@ -195,7 +195,7 @@ class Offloader:
         if lower.tiers:
             stats["lower"] = asdict(lower.stats)
             stats["lower"]["rows_converted"] = lower.rows_converted + self.worker.rows_converted  # type: ignore[index]
-            stats["tiers"] = {tier.kind: tier.stats() for tier in lower.tiers}
+            stats["tiers"] = {tier.kind: dict(tier.stats()) for tier in lower.tiers}
         return stats
 
     def metrics_text(self) -> str:

@@ -28,7 +28,7 @@ BENCHMARKS = {
     "serve": ("bench.serve", "TTFT in a real vLLM engine: vLLM alone vs + kvtier host, disk, peer"),
 }
 COMMANDS = {
-    "peer": ("tiers.peer_server", "serve a pool of rows to remote kvtier clients over NIXL"),
+    "peer": ("tiers.remote.server", "serve a pool of rows to remote kvtier clients over NIXL"),
 }
 
 
@@ -46,12 +46,12 @@ def _port(text: str) -> int:
 
 
 def _peer(argv: list[str]) -> int:
-    """``kvtier peer``: the server of ``tiers.peer_server``, plus ``--metrics-port PORT``.
+    """``kvtier peer``: the server of ``tiers.remote.server``, plus ``--metrics-port PORT``.
 
     The metrics endpoint is added here because ``tiers/`` never imports ``offload/``.
     """
     from offload.metrics import flat_families, render, serve
-    from tiers import peer_server
+    from tiers.remote import server as peer_server
 
     parser = argparse.ArgumentParser(prog="kvtier peer", add_help=False)
     parser.add_argument("--metrics-port", type=_port, default=None)

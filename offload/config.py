@@ -63,7 +63,7 @@ from policies import make_policy
 from policies.placement import ADMISSIONS, PLACEMENTS
 from tiers import sizes
 from tiers.address import Address
-from tiers.peer_protocol import valid_tenant
+from tiers.remote.protocol import valid_tenant
 from tiers.settings import (
     DiskSettings,
     HostSettings,
@@ -270,9 +270,9 @@ def _parse_remote(raw: Mapping[str, Any], where: str, common: dict[str, Any]) ->
 
 def _parse_mooncake(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> MooncakeSettings:
     """The Mooncake keys; also checks that the Mooncake client imports (else: how to install it)."""
-    from tiers import mooncake_listen
     from tiers.base import TierError
     from tiers.mooncake import MIN_SEGMENT_BYTES, store_class
+    from tiers.mooncake import listen as mooncake_listen
 
     prefix = f"{where}."
     master = raw.get("master")

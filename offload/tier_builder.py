@@ -43,17 +43,8 @@ def build_tier(
     if isinstance(tier, RemoteSettings):
         from tiers.remote import RemoteTier
 
-        # RemoteTier still takes its settings one by one (tiers/remote.py is being split).
-        return RemoteTier(
-            [str(peer) for peer in tier.peers],
-            namespace,
-            layout_id,
-            token=read_token(tier.token_file),
-            tenant=tier.peer_tenant,
-            deadline_s=tier.deadline_s,
-            readable_layouts=readable_layouts,
-            checksum_thread=tier.checksum_thread,
-        )
+        token = read_token(tier.token_file)
+        return RemoteTier(tier, namespace, layout_id, token=token, readable_layouts=readable_layouts)
     if isinstance(tier, MooncakeSettings):
         from tiers.mooncake import MooncakeTier
 

@@ -32,8 +32,11 @@ Call contract:
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 Row = tuple[bytes, memoryview]
 """A key and the host-tier bytes of its row (read by ``put``, written by ``get``)."""
@@ -41,6 +44,48 @@ Row = tuple[bytes, memoryview]
 
 class TierError(RuntimeError):
     """A tier that cannot start (bad path, locked database, unreachable configuration)."""
+
+
+@dataclass
+class Stats(Mapping[str, float]):
+    """Counters and levels as typed dataclass fields that also read as the mapping of field
+    names to values, in declaration order (``stats["hits"]``, ``dict(stats)``): readers that
+    predate the types (the metrics, ``Offloader.stats()``, the peer's STATS reply,
+    benchmarks) keep working, and every writer names its field, so a typo is an error."""
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self._names():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(fields(self))
+
+
+@dataclass
+class TierStats(Stats):
+    """A lower tier's counters and levels (each tier subclasses it as a dataclass).
+
+    Every tier reports at least ``REQUIRED`` (checked when a subclass is declared): ``hits``
+    and ``misses`` (rows its ``get`` served / missed), ``stored`` and ``dropped`` (rows its
+    ``put`` kept / did not) and ``corrupt`` (rows refused by their header or checksum); where
+    it knows them, ``evictions``, ``rows`` and ``capacity_bytes``.
+    """
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("hits", "misses", "stored", "dropped", "corrupt")
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        annotations = inspect.get_annotations(cls)
+        missing = [name for name in TierStats.REQUIRED if name not in annotations and not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__} lacks the stats every tier reports: {missing}")
 
 
 class LowerTier(ABC):
@@ -72,8 +117,6 @@ class LowerTier(ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
-    def stats(self) -> dict[str, float]:
-        """Counters and levels. Every tier reports at least ``hits`` and ``misses`` (rows its
-        ``get`` served / missed), ``stored`` and ``dropped`` (rows its ``put`` kept / did not)
-        and ``corrupt`` (rows refused by their header or checksum); where it knows them,
-        ``evictions``, ``rows`` and ``capacity_bytes``. The metrics read these names."""
+    def stats(self) -> TierStats:
+        """A snapshot of the tier's counters and levels (see ``TierStats`` for the names every
+        tier reports; the metrics read these names). Safe to call from another thread."""

@@ -11,7 +11,7 @@ flipped bit or a foreign row is therefore a miss, never garbage.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Set
+from collections.abc import Callable, Collection, Set
 from dataclasses import dataclass
 
 import xxhash
@@ -26,6 +26,14 @@ HEADER_BYTES = _HEADER.size
 def checksum(row: memoryview | bytes) -> int:
     """xxh3-64 of the row: fast enough (~10 GB/s) to verify every row on every read."""
     return xxhash.xxh3_64_intdigest(row)
+
+
+def served_layouts(layout_id: bytes, readable: Collection[bytes] = ()) -> frozenset[bytes]:
+    """The layout ids a tier serves: its own (``ValueError`` unless ``LAYOUT_ID_BYTES``
+    long) and ``readable``, the layouts its owner converts from."""
+    if len(layout_id) != LAYOUT_ID_BYTES:
+        raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+    return frozenset({bytes(layout_id), *readable})
 
 
 def layout_id_from_fingerprint(fingerprint: str) -> bytes:
@@ -72,14 +80,22 @@ def verify(
     ``layouts``: the layout ids the reader can use (its own, and those it converts from).
     ``digest`` computes the row's checksum (last, only when everything else matches); a tier
     that knows the row's address passes ``fast_checksum.checksum_at``, which frees the GIL."""
+    why = header_refusal(header, layouts, len(row))
+    if why is None and digest(row) != header.checksum:  # type: ignore[union-attr]
+        return "checksum mismatch"
+    return why
+
+
+def header_refusal(header: RowHeader | None, layouts: Set[bytes], length: int) -> str | None:
+    """``verify`` before the row's bytes are at hand: why a row of ``length`` bytes must not be
+    served under ``header``, checksum aside (a remote tier checks this before it READs the
+    row, and the checksum once it landed)."""
     if header is None:
         return "no valid header"
     if header.version != VERSION:
         return f"format version {header.version}, expected {VERSION}"
     if header.layout_id not in layouts:
         return "another layout"
-    if header.row_length != len(row):
-        return f"length {header.row_length}, expected {len(row)}"
-    if digest(row) != header.checksum:
-        return "checksum mismatch"
+    if header.row_length != length:
+        return f"length {header.row_length}, expected {length}"
     return None

@@ -137,7 +137,7 @@ def test_tensor_parallel_workers_share_the_host_tier_with_the_scheduler(make_eng
 
 
 def test_a_corrupt_disk_row_is_recomputed_never_loaded(make_engine, tmp_path):
-    from tiers.lmdb_store import ROWS_FILE
+    from tiers.disk.lmdb_store import ROWS_FILE
 
     engine = make_engine(kvtier_config=lower_tier_config("disk", tmp_path))
     cold, _reference = cold_and_reference(engine)

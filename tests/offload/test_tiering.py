@@ -10,7 +10,7 @@ from offload.api import Offloader
 from offload.keys import make_key
 from tests.offload.layouts import per_layer_blocks_first, scramble
 from tiers.base import TierError
-from tiers.lmdb_store import ROWS_FILE
+from tiers.disk.lmdb_store import ROWS_FILE
 
 
 def keys_for(prefix: str, n: int) -> list[bytes]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.security.relay import C2S, S2C, Relay, frame_type
 from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier
-from tiers import peer_protocol as proto
+from tiers.remote import protocol as proto
 
 KIB = 1024
 ROW = 64 * KIB
@@ -140,8 +140,8 @@ def test_a_tenant_is_shown_only_its_own_run_of_the_pool(spawn_peers):
     the victim's run (and an RDMA NIC would refuse a forged request; UCX TCP/CMA would not)."""
     from nixl_cu12._bindings import nixlNotFoundError
 
-    from tiers.nixl_agent import create_agent
-    from tiers.nixl_metadata import parse_agent_metadata
+    from tiers.remote.nixl_agent import create_agent
+    from tiers.remote.nixl_metadata import parse_agent_metadata
 
     (peer,) = spawn_peers(tenants=TENANTS)
     welcomes = {}

@@ -17,9 +17,9 @@ import pytest
 
 from offload.cli import main as kvtier_main
 from tests.tiers.peer_fixtures import ROOT
-from tiers.net_iface import bind_ucx_to, interface_of, ipv4_of
-from tiers.peer_auth import MIN_TOKEN_BYTES, parse_token_file
-from tiers.peer_server import parse_args
+from tiers.remote.auth import MIN_TOKEN_BYTES, parse_token_file
+from tiers.remote.net_iface import bind_ucx_to, interface_of, ipv4_of
+from tiers.remote.server import parse_args
 
 multiprocess = pytest.mark.multiprocess
 GOOD_TOKEN = b"g" * MIN_TOKEN_BYTES
@@ -53,7 +53,7 @@ def _peer_listeners(
     env["NIXL_LOG_LEVEL"] = "WARN"
     if ucx_net_devices is not None:
         env["UCX_NET_DEVICES"] = ucx_net_devices
-    argv = [sys.executable, "-m", "tiers.peer_server", "--listen", listen, "--capacity", "1MiB"]
+    argv = [sys.executable, "-m", "tiers.remote.server", "--listen", listen, "--capacity", "1MiB"]
     argv += ["--row-bytes", "64KiB"]
     if in_namespace:
         argv = ["unshare", "-n", "-m", "sh", "-c", f"{NETNS_SETUP} && exec {shlex.join(argv)}"]

@@ -1,4 +1,4 @@
-"""A real ``mooncake_master`` for tests (``tiers.mooncake_master``), and tiers that join it."""
+"""A real ``mooncake_master`` for tests (``bench.mooncake_master``), and tiers that join it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from bench.mooncake_master import MasterProcess, free_port
 from tests.tiers.peer_fixtures import LAYOUT, die_with_parent
 from tiers.address import Address
 from tiers.mooncake import MooncakeTier
-from tiers.mooncake_master import MasterProcess, free_port
 from tiers.settings import MooncakeSettings
 
 __all__ = ["SEGMENT", "MasterProcess", "free_port", "open_tier", "start_master"]

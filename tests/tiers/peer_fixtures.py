@@ -20,11 +20,14 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from tiers import peer_protocol as proto
+from tiers.address import Address
 from tiers.remote import RemoteTier
+from tiers.remote import protocol as proto
+from tiers.settings import RemoteSettings
 
 # Peers and clients here talk over 127.0.0.1 only; without this UCX also listens on every
 # other interface of the machine for its wire-up.
@@ -45,7 +48,7 @@ def die_with_parent() -> None:
 
 
 class PeerProcess:
-    """One ``python -m tiers.peer_server`` child."""
+    """One ``python -m tiers.remote.server`` child."""
 
     def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         """``env``: the child's whole environment (default: this process's, NIXL quiet)."""
@@ -53,7 +56,7 @@ class PeerProcess:
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
         env = env if env is not None else {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiers.peer_server", *args],
+            [sys.executable, "-m", "tiers.remote.server", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -179,11 +182,29 @@ class HostRows:
         return bytes(self.src[i]) == bytes(self.dst[i])
 
 
+def remote_settings(addresses: Sequence[str], **keys: Any) -> RemoteSettings:
+    """The settings of a remote tier over ``addresses`` (strings, as a TOML file has them)."""
+    return RemoteSettings(capacity_bytes=1 << 30, peers=tuple(Address.parse(a) for a in addresses), **keys)
+
+
 @contextlib.asynccontextmanager
 async def open_tier(
-    addresses: Sequence[str], host: memoryview, *, namespace: bytes = b"ns-test-0000000", **kwargs
+    addresses: Sequence[str],
+    host: memoryview,
+    *,
+    namespace: bytes = b"ns-test-0000000",
+    tenant: str = "default",
+    deadline_s: float = 2.0,
+    checksum_thread: bool = True,
+    **kwargs,
 ) -> AsyncIterator[RemoteTier]:
-    tier = RemoteTier(list(addresses), namespace.ljust(16, b"\x00"), LAYOUT, **kwargs)
+    """A ``RemoteTier`` over ``addresses``, opened on ``host``; ``kwargs`` go to its constructor."""
+    tier = RemoteTier(
+        remote_settings(addresses, tenant=tenant, deadline_s=deadline_s, checksum_thread=checksum_thread),
+        namespace.ljust(16, b"\x00"),
+        LAYOUT,
+        **kwargs,
+    )
     await tier.open(host)
     try:
         yield tier

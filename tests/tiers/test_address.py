@@ -3,7 +3,7 @@
 import pytest
 
 from tiers.address import Address, split_host_port
-from tiers.mooncake_listen import check_hostname
+from tiers.mooncake.listen import check_hostname
 
 
 def test_host_port_forms_and_the_text_as_written() -> None:

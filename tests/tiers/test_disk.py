@@ -28,7 +28,7 @@ import pytest
 from tests.tiers import disk_writer_child as child
 from tiers.base import TierError
 from tiers.disk import DiskTier
-from tiers.lmdb_store import INDEX_DB, PAGE, ROWS_FILE, SLOT_MAGIC, TRAILER_BYTES, Entry, LmdbStore
+from tiers.disk.lmdb_store import INDEX_DB, PAGE, ROWS_FILE, SLOT_MAGIC, TRAILER_BYTES, Entry, LmdbStore
 from tiers.row_format import RowHeader
 from tiers.settings import DiskSettings
 

@@ -2,7 +2,7 @@
 
 Each damaged directory is opened by a child process (``disk_writer_child open``), so a SIGBUS
 inside ``lmdb.open`` shows as the child's negative return code, a test failure, instead of
-killing pytest. Before ``tiers.lmdb_check`` existed, most of these trials died with SIGBUS.
+killing pytest. Before ``tiers.disk.lmdb_check`` existed, most of these trials died with SIGBUS.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from tests.tiers import disk_writer_child as child
-from tiers import lmdb_check
-from tiers.lmdb_store import LMDB_FILE
+from tiers.disk import lmdb_check as lmdb_check
+from tiers.disk.lmdb_store import LMDB_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 4096

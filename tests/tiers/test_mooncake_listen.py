@@ -1,4 +1,4 @@
-"""Mooncake's listeners kept on one interface (``tiers.mooncake_listen``), and what they serve.
+"""Mooncake's listeners kept on one interface (``tiers.mooncake.listen``), and what they serve.
 
 The attack tried: a plain TCP connection, with no credentials, sends Mooncake's 24-byte
 transfer request header (size, address, opcode READ) to a client's data listener and reads
@@ -19,7 +19,7 @@ import struct
 
 import pytest
 
-from tiers import mooncake_listen
+from tiers.mooncake import listen as mooncake_listen
 
 SECRET = b"kvtier-host-row-0123456789abcdef"
 READ = 0  # Mooncake's TransferRequest::READ

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tiers.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors
+from tiers.remote.nixl_agent import AgentThread, TransferError, TransferTimeout, descriptors
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 

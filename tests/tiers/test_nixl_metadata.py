@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiers.nixl_metadata import MetadataError, check_peer_metadata, parse_agent_metadata
+from tiers.remote.nixl_metadata import MetadataError, check_peer_metadata, parse_agent_metadata
 
 NAME = "kvtier-peer-" + "ab" * 16
 POOL = 0x7F0000000000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tiers.page_allocator import PageAllocator
+from tiers.disk.page_allocator import PageAllocator
 
 
 def test_pages_come_from_the_lowest_free_run_then_from_growth():

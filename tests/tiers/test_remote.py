@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier, start_peers
-from tiers import peer_protocol as proto
-from tiers import remote as remote_module
-from tiers.peer_server import parse_args
+from tiers.remote import data_plane as remote_module
+from tiers.remote import protocol as proto
 from tiers.remote import rendezvous_owner
+from tiers.remote.server import parse_args
 from tiers.row_format import RowHeader
 
 TOKEN = b"kvtier-test-token-" + os.urandom(8).hex().encode()

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import make_policy
-from tiers.peer_pool import PeerPool, PoolLimitError, UnknownAllocation
-from tiers.peer_protocol import EXISTS, NO_SLOT
+from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.remote.protocol import EXISTS, NO_SLOT
 from tiers.row_format import RowHeader
 
 SLOT = 100

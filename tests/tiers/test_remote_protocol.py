@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiers import peer_protocol as proto
+from tiers.remote import protocol as proto
 from tiers.row_format import HEADER_BYTES, RowHeader
 
 KEYS = st.lists(st.binary(min_size=1, max_size=proto.MAX_KEY_BYTES), max_size=64)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.vllm.harness import BLOCK_SIZE
-from tiers.lmdb_store import ROWS_FILE
+from tiers.disk.lmdb_store import ROWS_FILE
 
 PREFIX = list(range(100, 260))  # 10 blocks
 

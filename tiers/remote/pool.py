@@ -22,13 +22,13 @@ Owners are connection ids: closing a connection gives back its allocations and l
 once. Pure Python, single-threaded (the peer's event loop), no I/O: testable alone.
 
 **Tenants.** Every verb takes the tenant its connection authenticated as
-(``tiers/peer_auth.py``), and every key lives in that tenant's namespace (the index key is
+(``tiers/remote/auth.py``), and every key lives in that tenant's namespace (the index key is
 ``tenant NUL key``; tenant names hold no NUL), so a tenant's GET, CONTAINS, DELETE and PUT
 never see or touch another tenant's rows, and its STATS count only its own. With
 ``quotas`` each tenant owns a fixed run of slots, its quota (``slot_range``), holds rows
 (stored, pending, retired) only there, and makes room only by evicting its **own** rows:
 flooding by one tenant evicts nothing of another's, and the peer can register each run
-with NIXL apart and hand a tenant's clients only their run (``tiers/peer_server.py``).
+with NIXL apart and hand a tenant's clients only their run (``tiers/remote/server.py``).
 Without quotas (a peer without a token) the tenants share one pool and one eviction order.
 """
 
@@ -41,7 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.base import EvictionPolicy
-from tiers.peer_protocol import EXISTS, NO_SLOT
+from tiers.base import Stats
+from tiers.remote.protocol import EXISTS, NO_SLOT
 from tiers.row_format import RowHeader
 
 
@@ -94,17 +95,19 @@ class _Lease:
     expires: float
 
 
-_COUNTERS = (
-    "rows_put",
-    "rows_existing",
-    "rows_refused",
-    "rows_hit",
-    "rows_missed",
-    "rows_deleted",
-    "evictions",
-    "allocs_expired",
-    "leases_expired",
-)
+@dataclass
+class PoolCounters(Stats):
+    """What a pool did, in all (``PeerPool.counters``) or for one tenant (its STATS reply)."""
+
+    rows_put: int = 0
+    rows_existing: int = 0  # puts of keys held already (not sent again)
+    rows_refused: int = 0  # puts with no slot to give
+    rows_hit: int = 0
+    rows_missed: int = 0
+    rows_deleted: int = 0
+    evictions: int = 0
+    allocs_expired: int = 0  # PUT_ALLOCs never committed nor aborted in time
+    leases_expired: int = 0  # GET leases never released in time
 
 
 _NO_SLOTS = FreeSlots(0)
@@ -170,8 +173,8 @@ class PeerPool:
         self._slot_tenant: list[str] = [""] * num_slots  # who holds each slot that is not free
         self._used: dict[str, int] = {}  # slots held per tenant (pending, stored, retired)
         self._rows: dict[str, int] = {}  # stored rows per tenant
-        self.counters = dict.fromkeys(_COUNTERS, 0)
-        self._tenant_counters: dict[str, dict[str, int]] = {}
+        self.counters = PoolCounters()
+        self._tenant_counters: dict[str, PoolCounters] = {}
 
     # -- put ------------------------------------------------------------------------------
 
@@ -194,7 +197,8 @@ class PeerPool:
             if prefix + key in self._index:
                 statuses[i] = EXISTS
                 self.policy.on_access(prefix + key)
-                self._count(tenant, "rows_existing")
+                for counters in self._counted(tenant):
+                    counters.rows_existing += 1
             elif 0 < length <= self.slot_bytes:
                 wanted.append(i)
         free = self._free_of(tenant)
@@ -203,7 +207,9 @@ class PeerPool:
         for slot in slots:
             self._slot_tenant[slot] = tenant
         self._used[tenant] = self._used.get(tenant, 0) + len(slots)
-        self._count(tenant, "rows_refused", len(keys) - len(slots) - statuses.count(EXISTS))
+        refused = len(keys) - len(slots) - statuses.count(EXISTS)
+        for counters in self._counted(tenant):
+            counters.rows_refused += refused
         if not slots:
             return 0, statuses
         chosen = wanted[: len(slots)]
@@ -246,7 +252,8 @@ class PeerPool:
                 self.policy.on_insert(key)
                 tenant = self._slot_tenant[slot]
                 self._rows[tenant] = self._rows.get(tenant, 0) + 1
-                self._count(tenant, "rows_put")
+                for counters in self._counted(tenant):
+                    counters.rows_put += 1
                 stored.append(True)
         return stored
 
@@ -273,9 +280,11 @@ class PeerPool:
             entry = self._index.get(prefix + key)
             entries.append(entry)
             if entry is None:
-                self._count(tenant, "rows_missed")
+                for counters in self._counted(tenant):
+                    counters.rows_missed += 1
                 continue
-            self._count(tenant, "rows_hit")
+            for counters in self._counted(tenant):
+                counters.rows_hit += 1
             self.policy.on_access(prefix + key)
             slots.append(entry[0])
             self._leased[entry[0]] += 1
@@ -309,7 +318,8 @@ class PeerPool:
             self._rows[tenant] -= 1
             self._drop_slot(entry[0])
             deleted += 1
-        self._count(tenant, "rows_deleted", deleted)
+        for counters in self._counted(tenant):
+            counters.rows_deleted += deleted
         return deleted
 
     def drop_owner(self, owner: int) -> None:
@@ -329,13 +339,14 @@ class PeerPool:
             if alloc.expires > now:
                 break
             self.abort(alloc.owner, alloc_id)
-            self._count(self._slot_tenant[alloc.slots[0]], "allocs_expired")
+            for counters in self._counted(self._slot_tenant[alloc.slots[0]]):
+                counters.allocs_expired += 1
         while self._leases:
             lease_id, lease = next(iter(self._leases.items()))
             if lease.expires > now:
                 break
             self._end_lease(lease_id)
-            self.counters["leases_expired"] += 1
+            self.counters.leases_expired += 1
 
     def stats(self, tenant: str | None = None) -> dict[str, int]:
         """The whole pool's figures (for the operator), or one tenant's own (for its clients)."""
@@ -353,7 +364,7 @@ class PeerPool:
                 "leases": sum(
                     1 for lease in self._leases.values() if self._slot_tenant[lease.slots[0]] == tenant
                 ),
-                **self._tenant_counters.get(tenant, dict.fromkeys(_COUNTERS, 0)),
+                **self._tenant_counters.get(tenant, PoolCounters()),
             }
         pending = sum(len(a.slots) for a in self._allocs.values())
         return {
@@ -444,7 +455,8 @@ class PeerPool:
                 tenant = self._slot_tenant[entry[0]]
                 self._rows[tenant] -= 1
                 self._drop_slot(entry[0])
-                self._count(tenant, "evictions")
+                for counters in self._counted(tenant):
+                    counters.evictions += 1
 
     def _drop_slot(self, slot: int) -> None:
         if self._leased[slot]:
@@ -470,9 +482,9 @@ class PeerPool:
         for slot in slots:
             self._give(slot)
 
-    def _count(self, tenant: str, name: str, n: int = 1) -> None:
-        self.counters[name] += n
+    def _counted(self, tenant: str) -> tuple[PoolCounters, PoolCounters]:
+        """The counters an event of ``tenant`` goes into: the pool's, and the tenant's own."""
         counters = self._tenant_counters.get(tenant)
         if counters is None:
-            counters = self._tenant_counters[tenant] = dict.fromkeys(_COUNTERS, 0)
-        counters[name] += n
+            counters = self._tenant_counters[tenant] = PoolCounters()
+        return self.counters, counters

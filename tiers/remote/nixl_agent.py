@@ -553,3 +553,24 @@ def quietly(fn: Callable[..., object], *args: object) -> None:
 def _fail(future: concurrent.futures.Future, exc: Exception) -> None:
     if future.set_running_or_notify_cancel():
         future.set_exception(exc)
+
+
+GRACE_S = 0.5
+"""How long past a deadline the agent's thread may take to report the parts it timed out."""
+
+
+async def settle(future: concurrent.futures.Future[list[Any]], deadline: float, parts: int) -> list[Any]:
+    """Wait until every part of a ``transfer`` has finished, failed or timed out: one outcome
+    per part.
+
+    The agent's thread resolves each part by its deadline; the extra grace only guards
+    against a NIXL call that itself blocks, which no measurement has shown.
+    """
+    try:
+        return await asyncio.wait_for(
+            asyncio.shield(asyncio.wrap_future(future)),
+            max(0.0, deadline - time.monotonic()) + GRACE_S,
+        )
+    except TimeoutError:
+        log.error("NIXL agent did not report %d transfers %.1f s past their deadline", parts, GRACE_S)
+        return [TransferTimeout("the NIXL agent is not answering")] * parts

@@ -18,7 +18,7 @@ Handshake (challenge-response over a shared secret, so the token never travels):
 The transcript is the CHALLENGE payload followed by the AUTH payload up to its MAC, so the
 client's MAC binds both nonces, the protocol version and the tenant it claims: a relay
 cannot graft one client's proof onto another claim. The peer accepts the claim only if the
-MAC verifies under a token that grants that tenant (``tiers/peer_auth.py``). A wrong MAC
+MAC verifies under a token that grants that tenant (``tiers/remote/auth.py``). A wrong MAC
 closes the connection before the peer says anything about itself: no NIXL metadata, no
 pool address. A client without a token uses the empty key, which only a peer started
 without a token accepts. Before authentication a frame may be at most

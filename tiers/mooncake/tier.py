@@ -55,7 +55,7 @@ reads, overwrites and removes any object (``remove_by_regex`` included), kvtier'
 every namespace among them; the namespace keeps tenants apart only from each other's
 *lookups*. And the transfer engine in this process listens on every interface, serving
 reads and writes of the memory registered with it (the segment, and the whole host tier)
-to whoever connects (``tiers.mooncake_listen``). So the tier ties those listeners to one interface after
+to whoever connects (``tiers.mooncake.listen``). So the tier ties those listeners to one interface after
 ``setup`` (``listen_interface``: by default the one holding ``local_hostname``, the
 loopback unless configured) and a cluster must run on a private network: the tier's
 integrity checks (header, checksum) catch corrupted rows, not a hostile client.
@@ -72,20 +72,21 @@ import concurrent.futures
 import ctypes
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from tiers import mooncake_listen
-from tiers.base import LowerTier, Row, TierError
+from tiers.base import LowerTier, Row, TierError, TierStats
 from tiers.fast_checksum import checksum_at
-from tiers.row_format import HEADER_BYTES, LAYOUT_ID_BYTES, RowHeader, verify
+from tiers.mooncake import listen as mooncake_listen
+from tiers.row_format import HEADER_BYTES, RowHeader, served_layouts, verify
 from tiers.settings import MooncakeSettings
+from tiers.shared import Backoff, HostRegion, KnownKeys
 
 log = logging.getLogger(__name__)
 
@@ -115,21 +116,27 @@ MIN_SEGMENT_BYTES = 16 << 20
 _HEADER_SLOT = 64  # bytes per staged header: 40 used, 64-byte aligned
 _CLOSE_S = 2.0
 
-_COUNTERS = (
-    "stored",
-    "dropped",
-    "full",
-    "hits",
-    "misses",
-    "absent",
-    "mismatched",
-    "corrupt",
-    "errors",
-    "timeouts",
-    "master_lost",
-    "recoveries",
-    "skipped_down",
-)
+
+@dataclass
+class MooncakeStats(TierStats):
+    """The Mooncake tier's counters and, in a ``stats()`` snapshot, its levels."""
+
+    stored: int = 0
+    dropped: int = 0
+    full: int = 0  # puts the store refused for want of space (-200)
+    hits: int = 0
+    misses: int = 0
+    absent: int = 0  # gets of objects the store does not hold (-704)
+    mismatched: int = 0  # objects of another length or layout: misses, kept
+    corrupt: int = 0
+    errors: int = 0  # other codes of the store
+    timeouts: int = 0
+    master_lost: int = 0
+    recoveries: int = 0
+    skipped_down: int = 0  # rows not asked about while the store was down
+    master_up: int = 1
+    known_keys: int = 0
+    capacity_bytes: int = 0  # this process's share of the store's pool (its segment)
 
 
 def store_class() -> type:
@@ -251,8 +258,7 @@ class MooncakeTier(LowerTier):
         self.settings = settings
         segment_bytes, replicas, deadline_s = settings.capacity_bytes, settings.replicas, settings.deadline_s
         listen_interface = settings.listen_interface
-        if len(layout_id) != LAYOUT_ID_BYTES:
-            raise ValueError(f"layout id must be {LAYOUT_ID_BYTES} bytes, got {len(layout_id)}")
+        layouts = served_layouts(layout_id, readable_layouts)
         if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes = {segment_bytes}: the store needs 0 or at least 16 MiB")
         if not deadline_s > 0 or threads < 1 or replicas < 1 or max_rows_in_flight < 1:
@@ -264,7 +270,7 @@ class MooncakeTier(LowerTier):
         self.master = settings.master
         self.namespace = bytes(namespace)
         self.layout_id = bytes(layout_id)
-        self.layouts = frozenset({self.layout_id, *readable_layouts})  # what get may serve
+        self.layouts = layouts  # what get may serve
         self.metadata_server = settings.metadata_server
         self.segment_bytes = segment_bytes
         self.local_buffer_bytes = settings.local_buffer_bytes
@@ -278,6 +284,7 @@ class MooncakeTier(LowerTier):
         self.open_timeout_s = open_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._backoff = Backoff(backoff_s, max_backoff_s)
         self.threads = threads
         self.max_rows_in_flight = max_rows_in_flight
         self.max_tracked_keys = max_tracked_keys
@@ -285,13 +292,12 @@ class MooncakeTier(LowerTier):
         self._put_config: Any = None
         self._workers: _Workers | None = None
         self._headers: _HeaderSlots | None = None
-        self._host_addr = 0
-        self._host_len = 0
+        self._host = HostRegion(0, 0)
         self._failures = 0  # consecutive outages; 0: the store is up
         self._retry_at = 0.0  # while down: when to knock on the master's port again
         self._knocking = False
-        self._known: dict[bytes, None] = {}  # keys this client stored, oldest first
-        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._known = KnownKeys(max_tracked_keys)  # keys this client stored, oldest forgotten first
+        self._stats = MooncakeStats()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -303,13 +309,7 @@ class MooncakeTier(LowerTier):
         """
         if self._store is not None:
             raise TierError("the mooncake tier is already open")
-        if host_buffer is None:
-            raise TierError("the mooncake tier moves rows by address: open() needs the host tier's buffer")
-        buffer = memoryview(host_buffer)
-        if buffer.readonly or not buffer.c_contiguous:
-            raise TierError("the host buffer must be writable and contiguous")
-        host = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=np.uint8)
-        self._host_addr, self._host_len = host.ctypes.data, host.nbytes
+        self._host = HostRegion.of(host_buffer, "mooncake")
         self._headers = _HeaderSlots(self.max_rows_in_flight)
         self._workers = _Workers(self.threads, "kvtier-mooncake")
         # The store's ``setup`` holds the GIL while it retries an absent master (90 s): every
@@ -369,7 +369,7 @@ class MooncakeTier(LowerTier):
         self._restrict_listeners(store, before, interface)
         assert self._headers is not None
         for addr, size in (
-            (self._host_addr, self._host_len),
+            (self._host.addr, self._host.length),
             (self._headers.addr, self._headers.array.nbytes),
         ):
             rc = store.register_buffer(addr, size)
@@ -452,13 +452,11 @@ class MooncakeTier(LowerTier):
             log.warning(
                 "mooncake tier: %d of %d puts failed (codes %s)", len(errors), len(codes), sorted(set(errors))
             )
-        self._counters["full"] += full
-        self._counters["errors"] += len(errors)
-        self._counters["stored"] += sum(stored)
-        self._counters["dropped"] += len(rows) - sum(stored)
-        for (key, _), done in zip(rows, stored, strict=True):
-            if done:
-                self._remember(bytes(key))
+        self._stats.full += full
+        self._stats.errors += len(errors)
+        self._stats.stored += sum(stored)
+        self._stats.dropped += len(rows) - sum(stored)
+        self._known.add_stored(rows, stored)
         return stored
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
@@ -475,37 +473,37 @@ class MooncakeTier(LowerTier):
             if code == _VERIFIED:
                 continue
             if code == _CORRUPT:
-                self._counters["corrupt"] += 1
+                self._stats.corrupt += 1
             elif code == OBJECT_NOT_FOUND:  # never put here, evicted, or lost with the master
-                self._counters["absent"] += 1
-                self._known.pop(bytes(key), None)
+                self._stats.absent += 1
+                self._known.discard(bytes(key))
             elif code in _WRONG_SIZE or code >= 0 or code == _FOREIGN:
-                self._counters["mismatched"] += 1
+                self._stats.mismatched += 1
             elif code not in _MASTER_LOST and code != _SKIPPED:
-                self._counters["errors"] += 1
+                self._stats.errors += 1
                 log.warning("mooncake tier: a get failed (%d)", code)
         hits = sum(loaded)
-        self._counters["hits"] += hits
-        self._counters["misses"] += len(rows) - hits
+        self._stats.hits += hits
+        self._stats.misses += len(rows) - hits
         return loaded
 
     async def delete(self, keys: Sequence[bytes]) -> None:
         """Remove objects (absent ones are ignored). Objects under a lease (another client may
         be reading them) stay until the master evicts them."""
         for key in keys:
-            self._known.pop(bytes(key), None)
+            self._known.discard(bytes(key))
         if not keys or not await self._usable(0):
             return
         names = [object_key(self.namespace, bytes(k)) for k in keys]
         await self._call(self._pool().submit(self._store.batch_remove, names, False), must_finish=False)
 
-    def stats(self) -> dict[str, float]:
-        return {
-            **self._counters,
-            "master_up": int(not self._failures),
-            "known_keys": len(self._known),
-            "capacity_bytes": self.segment_bytes,  # this process's share of the store's pool
-        }
+    def stats(self) -> MooncakeStats:
+        return replace(
+            self._stats,
+            master_up=int(not self._failures),
+            known_keys=len(self._known),
+            capacity_bytes=self.segment_bytes,
+        )
 
     # -- moving rows ------------------------------------------------------------------------
 
@@ -516,8 +514,7 @@ class MooncakeTier(LowerTier):
         per row (``_SKIPPED`` for rows the call never reached)."""
         if not rows or not await self._usable(len(rows)):
             return [_SKIPPED] * len(rows)
-        views = [_bytes_view(row) for _, row in rows]
-        addrs = [self._addr(view) for view in views]  # a row outside the host buffer fails here
+        views, addrs = self._host.rows(rows)  # a row outside the host buffer fails here
         names = [object_key(self.namespace, bytes(key)) for key, _ in rows]
         headers = self._headers
         assert headers is not None
@@ -597,7 +594,7 @@ class MooncakeTier(LowerTier):
         done, _ = await asyncio.wait({waiter}, timeout=self.deadline_s)
         if done:
             return waiter.result()
-        self._counters["timeouts"] += 1
+        self._stats.timeouts += 1
         if future.cancel():
             return None
         self._mark_down(f"a call overran its {self.deadline_s:.1f} s deadline")
@@ -625,7 +622,7 @@ class MooncakeTier(LowerTier):
             if reachable:
                 return True  # the first answer that is not "master lost" books the recovery
             self._mark_down(f"no master listens at {self.master}")
-        self._counters["skipped_down"] += rows
+        self._stats.skipped_down += rows
         return False
 
     def _note_master(self, codes: Sequence[int]) -> None:
@@ -634,15 +631,14 @@ class MooncakeTier(LowerTier):
             self._mark_down(f"master {self.master} unreachable ({codes[0]})")
         elif self._failures and any(code not in _MASTER_LOST and code != _SKIPPED for code in codes):
             self._failures = 0
-            self._counters["recoveries"] += 1
+            self._stats.recoveries += 1
             log.warning("mooncake tier: master %s answers again", self.master)
 
     def _mark_down(self, reason: str) -> None:
         self._failures += 1
-        self._counters["master_lost"] += 1
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._failures - 1))
-        self._retry_at = time.monotonic() + delay * random.uniform(0.75, 1.0)
-        log.warning("mooncake tier down: %s; next try in %.1f s", reason, delay)
+        self._stats.master_lost += 1
+        self._retry_at = self._backoff.retry_at(self._failures)
+        log.warning("mooncake tier down: %s; next try in %.1f s", reason, self._backoff.delay(self._failures))
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -662,17 +658,6 @@ class MooncakeTier(LowerTier):
             raise TierError("the mooncake tier is not open")
         return self._workers
 
-    def _addr(self, view: memoryview) -> int:
-        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else self._host_addr
-        if not (self._host_addr <= addr and addr + len(view) <= self._host_addr + self._host_len):
-            raise ValueError("a row is not a slice of the host buffer given to open()")
-        return addr
-
-    def _remember(self, key: bytes) -> None:
-        self._known[key] = None
-        if len(self._known) > self.max_tracked_keys:
-            del self._known[next(iter(self._known))]
-
 
 _KEPT: list[Any] = []
 
@@ -686,8 +671,3 @@ def _keep_forever(store: Any) -> None:
 def _ignore_result(waiter: asyncio.Future) -> None:
     if not waiter.cancelled():
         waiter.exception()  # retrieved: a late failure is not "never retrieved"
-
-
-def _bytes_view(row: memoryview) -> memoryview:
-    view = memoryview(row)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -17,7 +17,8 @@ import logging
 import os
 import socket
 import struct
-from pathlib import Path
+
+from tiers.shared import ipv6_interfaces
 
 log = logging.getLogger("kvtier.peer")
 
@@ -33,20 +34,6 @@ def ipv4_of(name: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def _ipv6_interfaces() -> dict[str, str]:
-    """Address -> interface, from ``/proc/net/if_inet6`` (empty where it does not exist)."""
-    found = {}
-    try:
-        lines = Path("/proc/net/if_inet6").read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 6:
-            found[str(ipaddress.IPv6Address(bytes.fromhex(parts[0])))] = parts[5]
-    return found
-
-
 def interface_of(host: str) -> str | None:
     """The interface whose address is ``host`` (a name is resolved first); ``None`` if none."""
     try:
@@ -60,7 +47,7 @@ def interface_of(host: str) -> str | None:
         names = [name for _, name in socket.if_nameindex()]
         return "lo" if "lo" in names else None
     if address.version == 6:
-        return _ipv6_interfaces().get(str(address))
+        return ipv6_interfaces().get(ipaddress.IPv6Address(address))
     for _, name in socket.if_nameindex():
         if ipv4_of(name) == str(address):
             return name

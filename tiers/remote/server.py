@@ -2,14 +2,14 @@
 
     kvtier peer --listen HOST:PORT --capacity SIZE [--row-bytes SIZE] [--token-file F] [--policy NAME]
 
-``--token-file`` maps tokens to tenants (``tiers/peer_auth.py``); each connection acts as
+``--token-file`` maps tokens to tenants (``tiers/remote/auth.py``); each connection acts as
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
 The pool is one buffer, pre-faulted, registered with NIXL once per run of slots (one run
 per tenant of the token file, else one) and kept registered for the life of the process
 (deregistering would not revoke a client's access anyway; what a client may touch is
-guarded by protocol, in ``tiers/peer_pool.py``, and by the transport: ``ServedMemory``).
+guarded by protocol, in ``tiers/remote/pool.py``, and by the transport: ``ServedMemory``).
 It is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
 share the slots, a smaller row uses the head of its slot). Fixed slots keep a slot's
 address a multiplication and make eviction a one-for-one swap; vLLM pads every group's page
@@ -17,7 +17,7 @@ to one size anyway, so little is wasted.
 
 Data never passes through this process's code: clients READ and WRITE slots with NIXL
 (one-sided; over CMA the copy is done by the client's kernel call). The peer only runs the
-control plane (``tiers/peer_protocol.py``) on one uvloop event loop: handshake, two-phase
+control plane (``tiers/remote/protocol.py``) on one uvloop event loop: handshake, two-phase
 put (allocate, client writes, commit), get (slots and a lease, client reads, release),
 contains, delete, stats. Its NIXL agent has no progress thread; the loop progresses it
 every millisecond while clients are connected (a new client's first transfer needs the
@@ -54,15 +54,27 @@ import numpy as np
 import uvloop
 
 from policies import make_policy
-from tiers import peer_protocol as proto
 from tiers.address import Address
-from tiers.net_iface import bind_ucx_to
-from tiers.nixl_agent import create_agent
-from tiers.peer_auth import Credentials, read_token_file
-from tiers.peer_pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.base import Stats
+from tiers.remote import protocol as proto
+from tiers.remote.auth import Credentials, read_token_file
+from tiers.remote.net_iface import bind_ucx_to
+from tiers.remote.nixl_agent import create_agent
+from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
 from tiers.sizes import parse_size
 
 log = logging.getLogger("kvtier.peer")
+
+
+@dataclass
+class ServerCounters(Stats):
+    """What the peer's connections did (the pool counts what happened to rows)."""
+
+    connections: int = 0  # authenticated
+    auth_failures: int = 0
+    protocol_errors: int = 0
+    pushed_out: int = 0  # unauthenticated connections closed to make room for newer ones
+
 
 PAGE = 4096
 HUGE_PAGE = 2 << 20
@@ -183,7 +195,7 @@ class PeerServer:
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
         self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
         self._handlers: set[asyncio.Task] = set()
-        self.counters = {"connections": 0, "auth_failures": 0, "protocol_errors": 0, "pushed_out": 0}
+        self.counters = ServerCounters()
 
     async def serve(self, ready: asyncio.Future[tuple[str, int]], stop: asyncio.Event) -> None:
         server = await asyncio.start_server(
@@ -242,13 +254,13 @@ class PeerServer:
                 log.warning("refusing %s: %d connections already", peername, len(self._connections))
                 return
             self._connections[conn_id] = writer
-            self.counters["connections"] += 1
+            self.counters.connections += 1
             await self._welcome(writer, session, region)
             await self._requests(conn_id, tenant, region.first_slot, session, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client left
         except proto.ProtocolError as exc:
-            self.counters["protocol_errors"] += 1
+            self.counters.protocol_errors += 1
             log.warning("closing %s: %s", peername, exc)
         except TimeoutError:
             log.warning("closing %s: it does not read its replies", peername)
@@ -278,7 +290,7 @@ class PeerServer:
 
     def _push_out(self, conn_id: int) -> None:
         source, writer = self._unauthenticated.pop(conn_id)
-        self.counters["pushed_out"] += 1  # its handler counts the failed handshake too
+        self.counters.pushed_out += 1  # its handler counts the failed handshake too
         log.info("closing an unauthenticated connection from %s: too many from there", source)
         writer.transport.abort()
 
@@ -298,7 +310,7 @@ class PeerServer:
                 raise proto.ProtocolError(f"{frame.type.name} before authentication")
             _client_nonce, tenant, mac = proto.decode_auth(frame.payload)
         except (proto.ProtocolError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-            self.counters["auth_failures"] += 1
+            self.counters.auth_failures += 1
             log.warning("closing %s: no valid handshake (%s)", peername, exc or type(exc).__name__)
             return "", None
         transcript = challenge + frame.payload[: -proto.MAC_BYTES]
@@ -307,7 +319,7 @@ class PeerServer:
             if proto.macs_equal(proto.client_mac(token, transcript), mac):
                 granted = token
         if granted is None:
-            self.counters["auth_failures"] += 1
+            self.counters.auth_failures += 1
             log.warning("closing %s: wrong or missing token for tenant %r", peername, tenant)
             return tenant, None
         return tenant, proto.Session(granted, transcript, is_client=False)
@@ -380,8 +392,8 @@ class PeerServer:
                     raise proto.ProtocolError("STATS carries no payload")
                 stats = {
                     **pool.stats(tenant),
-                    "auth_failures": self.counters["auth_failures"],
-                    "protocol_errors": self.counters["protocol_errors"],
+                    "auth_failures": self.counters.auth_failures,
+                    "protocol_errors": self.counters.protocol_errors,
                 }
                 return msg.STATS_REPLY, rid, proto.encode_stats(stats)
         except UnknownAllocation:

@@ -49,17 +49,19 @@ import logging
 import os
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import lmdb
 
 from policies import make_policy
-from tiers.base import LowerTier, Row, TierError
-from tiers.dir_lock import DirLock
-from tiers.disk_index import DiskIndex
-from tiers.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
+from tiers.base import LowerTier, Row, TierError, TierStats
+from tiers.disk.dir_lock import DirLock
+from tiers.disk.index import DiskIndex
+from tiers.disk.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
 from tiers.row_format import LAYOUT_ID_BYTES
 from tiers.settings import DiskSettings
+from tiers.shared import byte_view
 
 log = logging.getLogger(__name__)
 
@@ -70,22 +72,32 @@ OFFLOAD_KEY_BYTES = 36  # a block hash (32) + a KV-group index (4), to size the 
 
 _MiB = 1 << 20
 _T = TypeVar("_T")
-_COUNTERS = (
-    "hits",
-    "misses",
-    "stored",
-    "dropped",
-    "evictions",
-    "deleted",
-    "corrupt",
-    "mismatched",
-    "write_errors",
-    "read_errors",
-)
 _MISMATCHED = (ReadOutcome.MISMATCH, ReadOutcome.WRONG_LENGTH)
 STORE_ERRORS = (lmdb.Error, OSError)
 """What a call into the files can raise (the index, or a read or write of the rows file)."""
 _Wanted = tuple[int, bytes, memoryview]  # a row of a get: its position, key and destination
+
+
+@dataclass
+class DiskStats(TierStats):
+    """The disk tier's counters (since ``open``) and, in a ``stats()`` snapshot, its levels."""
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    dropped: int = 0
+    evictions: int = 0
+    deleted: int = 0
+    corrupt: int = 0
+    mismatched: int = 0  # sound rows of another layout or length: misses, kept
+    write_errors: int = 0  # batches whose commit failed (their rows dropped)
+    read_errors: int = 0
+    rows: int = 0
+    bytes: int = 0  # used by this namespace's rows
+    capacity_bytes: int = 0
+    file_limit: int = 0  # the rows file's size limit (capacity + margin)
+    foreign_rows: int = 0  # rows of other namespaces in the file (never served)
+    foreign_bytes: int = 0
 
 
 def default_file_margin(capacity_bytes: int) -> int:
@@ -157,7 +169,7 @@ class DiskTier(LowerTier):
         self._index = self._new_index()
         self._foreign_rows = 0
         self._foreign_bytes = 0
-        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._stats = DiskStats()
         self._writer: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._warned: set[str] = set()
@@ -195,7 +207,7 @@ class DiskTier(LowerTier):
         index = self._new_index()  # a reopened tier starts from the file
         index.load([(entry.key, entry.size, entry.seq) for entry in own], self._foreign_bytes)
         self._index = index
-        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._stats = DiskStats()
         if self._foreign_rows:
             log.warning(
                 "disk tier at %s: %d rows (%.1f MiB) of other namespaces in the file; never served, "
@@ -229,7 +241,7 @@ class DiskTier(LowerTier):
             raise TierError(f"disk tier at {self.path!r}: cannot shrink to the capacity: {exc}") from exc
         with self._index.mutex:
             self._index.book([], [], victims)
-            self._counters["evictions"] += len(victims)
+            self._stats.evictions += len(victims)
         log.info("disk tier at %s: evicted %d rows down to the capacity", self.path, len(victims))
 
     def _warn_if_short_of_space(self) -> None:
@@ -281,9 +293,9 @@ class DiskTier(LowerTier):
         corrupt when read, which is a miss then)."""
         return [key in self._index for key in keys]
 
-    def stats(self) -> dict[str, float]:
-        stats: dict[str, float] = dict(self._counters)
-        stats.update(
+    def stats(self) -> DiskStats:
+        return replace(
+            self._stats,
             rows=len(self._index),
             bytes=self._index.used,
             capacity_bytes=self.capacity_bytes,
@@ -291,7 +303,6 @@ class DiskTier(LowerTier):
             foreign_rows=self._foreign_rows,
             foreign_bytes=self._foreign_bytes,
         )
-        return stats
 
     # -- writes --------------------------------------------------------------------------
 
@@ -302,7 +313,7 @@ class DiskTier(LowerTier):
         or its batch's commit failed (map full, disk full, I/O error). Never raises for
         those; they are counted in ``dropped``.
         """
-        batch = [(key, _byte_view(row, writable=False)) for key, row in rows]
+        batch = [(key, byte_view(row)) for key, row in rows]
         return await self._on_writer(self._put_blocking, batch)
 
     def _put_blocking(self, rows: list[tuple[bytes, memoryview]]) -> list[bool]:
@@ -327,7 +338,7 @@ class DiskTier(LowerTier):
             except STORE_ERRORS as exc:
                 with self._index.mutex:
                     self._index.undo(victims, used_before)
-                    self._counters["write_errors"] += 1
+                    self._stats.write_errors += 1
                 self._warn_once(
                     type(exc).__name__, "disk tier at %s: a batch of %d rows dropped: %s", exc, len(planned)
                 )
@@ -335,12 +346,12 @@ class DiskTier(LowerTier):
             else:
                 with self._index.mutex:
                     self._index.book(keys, planned, victims)
-                    self._counters["evictions"] += len(victims)
-                    self._counters["stored"] += len(planned)
+                    self._stats.evictions += len(victims)
+                    self._stats.stored += len(planned)
         stored = {keys[row.index] for row in planned}
         results = [key in stored for key, _ in rows]
         with self._index.mutex:
-            self._counters["dropped"] += results.count(False)
+            self._stats.dropped += results.count(False)
         return results
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -355,14 +366,14 @@ class DiskTier(LowerTier):
             self._store.write([self.namespace + key for key in present], [], self.layout_id)
         except STORE_ERRORS as exc:
             with self._index.mutex:
-                self._counters["write_errors"] += 1
+                self._stats.write_errors += 1
             self._warn_once(
                 type(exc).__name__, "disk tier at %s: a delete of %d rows failed: %s", exc, len(present)
             )
             return
         with self._index.mutex:
             self._index.forget(present)
-            self._counters["deleted"] += len(present)
+            self._stats.deleted += len(present)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -378,9 +389,7 @@ class DiskTier(LowerTier):
         """
         results = [False] * len(rows)
         wanted = [
-            (i, key, _byte_view(dst, writable=True))
-            for i, (key, dst) in enumerate(rows)
-            if key in self._index
+            (i, key, byte_view(dst, writable=True)) for i, (key, dst) in enumerate(rows) if key in self._index
         ]
         misses = len(rows) - len(wanted)
         if wanted:
@@ -401,7 +410,7 @@ class DiskTier(LowerTier):
             if corrupt:
                 await self._on_writer(self._drop_corrupt_blocking, corrupt)
         with self._index.mutex:
-            self._counters["misses"] += misses
+            self._stats.misses += misses
         return results
 
     def _chunks(self, wanted: list[_Wanted]) -> list[list[_Wanted]]:
@@ -421,19 +430,19 @@ class DiskTier(LowerTier):
             )
         except STORE_ERRORS as exc:
             with self._index.mutex:
-                self._counters["read_errors"] += 1
-                self._counters["misses"] += len(chunk)
+                self._stats.read_errors += 1
+                self._stats.misses += len(chunk)
             self._warn_once("read", "disk tier at %s: a read of %d rows failed: %s", exc, len(chunk))
             return [Read(ReadOutcome.ERROR)] * len(chunk)
         with self._index.mutex:
             hits = [key for (_, key, _), r in zip(chunk, reads, strict=True) if r.outcome is ReadOutcome.HIT]
             self._index.hit(reversed(hits))  # tail first, as the policy contract asks
-            self._counters["hits"] += len(hits)
+            self._stats.hits += len(hits)
             for read in reads:
                 if read.outcome is not ReadOutcome.HIT:
-                    self._counters["misses"] += 1
-                    self._counters["mismatched"] += read.outcome in _MISMATCHED
-                    self._counters["read_errors"] += read.outcome is ReadOutcome.ERROR
+                    self._stats.misses += 1
+                    self._stats.mismatched += read.outcome in _MISMATCHED
+                    self._stats.read_errors += read.outcome is ReadOutcome.ERROR
         for (_, key, _), read in zip(chunk, reads, strict=True):
             if read.outcome is ReadOutcome.CORRUPT:
                 log.warning(
@@ -448,14 +457,14 @@ class DiskTier(LowerTier):
             )
         except STORE_ERRORS as exc:
             with self._index.mutex:
-                self._counters["write_errors"] += 1
+                self._stats.write_errors += 1
             self._warn_once(
                 "corrupt", "disk tier at %s: deleting %d corrupt rows failed: %s", exc, len(found)
             )
             return
         with self._index.mutex:
             self._index.forget([key[NAMESPACE_BYTES:] for key in deleted])
-            self._counters["corrupt"] += len(deleted)
+            self._stats.corrupt += len(deleted)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -473,13 +482,3 @@ class DiskTier(LowerTier):
         level = logging.DEBUG if kind in self._warned else logging.WARNING
         self._warned.add(kind)
         log.log(level, message, self.path, count, exc)
-
-
-def _byte_view(buffer: Any, *, writable: bool) -> memoryview:
-    """A flat byte view of a host row (a memoryview, bytes, or any C-contiguous buffer)."""
-    view = memoryview(buffer)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    if writable and view.readonly:
-        raise ValueError("get needs writable row buffers")
-    return view

@@ -36,6 +36,7 @@ import socket
 import struct
 
 from tiers.address import split_host_port, valid_port
+from tiers.shared import ipv6_interfaces
 
 ANY_INTERFACE = "*"
 _INTERFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")  # IFNAMSIZ - 1, no '/' or spaces
@@ -109,14 +110,7 @@ def interface_addresses() -> dict[ipaddress.IPv4Address | ipaddress.IPv6Address,
         for at in range(0, used, _IFREQ_BYTES):
             name = raw[at : at + 16].split(b"\0", 1)[0].decode().split(":")[0]  # "eth0:1" is eth0
             held[ipaddress.IPv4Address(raw[at + 20 : at + 24])] = name
-    try:
-        with open("/proc/net/if_inet6") as lines:
-            for line in lines:
-                fields = line.split()
-                if len(fields) == 6:
-                    held[ipaddress.IPv6Address(bytes.fromhex(fields[0]))] = fields[5]
-    except OSError:
-        pass  # no IPv6
+    held.update(ipv6_interfaces())
     return held
 
 

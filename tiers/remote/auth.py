@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiers.peer_protocol import DEFAULT_TENANT, valid_tenant
+from tiers.remote.protocol import DEFAULT_TENANT, valid_tenant
 
 MIN_TOKEN_BYTES = 16
 _LINE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]{0,63})\s*:\s*(\S+)\s*$")

@@ -59,11 +59,11 @@ from enum import Enum
 import lmdb
 import xxhash
 
-from tiers import lmdb_check
 from tiers.base import TierError
 from tiers.buffer_address import buffer_address
+from tiers.disk import lmdb_check
+from tiers.disk.page_allocator import PageAllocator, Run
 from tiers.fast_checksum import checksum_at
-from tiers.page_allocator import PageAllocator, Run
 from tiers.row_format import HEADER_BYTES, VERSION, RowHeader
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 NIXL parses metadata (``add_remote_agent``) in C++ and trusts every length in it: fuzzed
 metadata made a client abort (SIGABRT) or crash (SIGSEGV). The metadata a client receives
-comes in a WELCOME whose tag has verified (``tiers/peer_protocol.py``), so only a peer that
+comes in a WELCOME whose tag has verified (``tiers/remote/protocol.py``), so only a peer that
 knows the token can send it; this module makes even that peer's bytes pass a shape check
 first: the serialization NIXL 1.5 writes (``nixlSerDes``: ``tag, u64 length, value, '|'``,
 in a fixed order), every length inside the blob, small counts, exactly the agent name the
@@ -25,7 +25,7 @@ MAX_DESCRIPTORS = 1024
 MAX_BLOB_BYTES = 16 << 10
 REGION_SLACK = 4096
 """How much larger than pool + probe a peer's registered region may be: it registers each
-run of slots with a probe area of a few bytes after it (``tiers/peer_server.py``)."""
+run of slots with a probe area of a few bytes after it (``tiers/remote/server.py``)."""
 _DRAM_SEG = bytes(4)  # NIXL's memory type of host memory: a peer serves nothing else
 _U64 = struct.Struct("<Q")
 _DESC = struct.Struct("<QQQ")  # address, length, device id; NIXL's own meta info follows

@@ -1,6 +1,6 @@
 """One authenticated control connection to one ``kvtier peer``.
 
-It speaks ``tiers/peer_protocol.py`` and nothing else: the rows move by NIXL, driven by
+It speaks ``tiers/remote/protocol.py`` and nothing else: the rows move by NIXL, driven by
 ``RemoteTier``. Many calls share the connection at once: each request carries an id, a
 reader task hands each reply to the call waiting for it, and every wait has a deadline.
 
@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from tiers import peer_protocol as proto
+from tiers.remote import protocol as proto
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,258 @@
+"""Which of the remote tier's peers are up: handshakes, failures, backoff and rejoins.
+
+A peer that fails to answer in time, closes its connection, or fails a transfer is **marked
+down**: its keys are misses (or go to their next owner), it is retried after an exponential
+backoff (``backoff_s`` doubling to ``max_backoff_s``), and a restarted peer (new instance,
+new NIXL metadata) rejoins on its next successful handshake.
+
+A peer's NIXL metadata is used only after the WELCOME carrying it verified, and after it
+passed ``tiers/remote/nixl_metadata.py``'s shape checks (malformed metadata crashed NIXL;
+now it is a peer that cannot be used). Each handshake ends with a READ of the peer's probe
+bytes into this client's scratch area, which proves the data plane and wires the transport
+up before the first real transfer.
+
+Everything here runs on the tier's event loop; ``Peer.up`` is a plain read, safe from the
+scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiers.address import Address
+from tiers.remote.client import PeerClient, PeerUnavailable
+from tiers.remote.nixl_agent import AgentThread, TransferTimeout, descriptors, quietly, settle
+from tiers.remote.nixl_metadata import MetadataError, check_peer_metadata
+from tiers.remote.protocol import DEFAULT_TENANT, INSTANCE_ID_BYTES, Welcome
+from tiers.remote.routing import peer_seed
+from tiers.remote.stats import RemoteStats
+from tiers.shared import Backoff
+
+log = logging.getLogger(__name__)
+
+SCRATCH_PER_PEER = 64
+"""Bytes of the scratch area per peer (its probe READ lands there)."""
+
+
+@dataclass(eq=False)
+class Peer:
+    """One ``kvtier peer``: its address, and while it is up its connection and NIXL name."""
+
+    address: str
+    host: str
+    port: int
+    seed: int
+    scratch_offset: int
+    client: PeerClient | None = None
+    remote_agent: str | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    connecting: asyncio.Task | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None and not self.client.closed
+
+
+@dataclass(frozen=True, eq=False)
+class Link:
+    """One call's view of an up peer: the connection and NIXL name it started with, so a
+    peer that goes down (or comes back) meanwhile cannot change them under the call."""
+
+    peer: Peer
+    client: PeerClient
+    remote_agent: str
+
+    @property
+    def welcome(self) -> Welcome:
+        return self.client.welcome
+
+
+class Membership:
+    """The peers of one remote tier and their state; see the module docstring.
+
+    ``attach(agent)`` before ``connect_all``: the handshake loads each peer's metadata into
+    that agent. ``scratch`` (``SCRATCH_PER_PEER`` bytes per peer) must be registered with it.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        stats: RemoteStats,
+        *,
+        token: bytes | None = None,
+        tenant: str = DEFAULT_TENANT,
+        deadline_s: float = 2.0,
+        backoff: Backoff,
+    ) -> None:
+        self.peers: list[Peer] = []
+        for i, address in enumerate(addresses):
+            try:
+                parsed = Address.parse(address)
+            except ValueError:
+                raise ValueError(f"peer {address!r} is not 'host:port'") from None
+            self.peers.append(
+                Peer(address, parsed.host, parsed.port, peer_seed(address), i * SCRATCH_PER_PEER)
+            )
+        self.scratch = np.zeros(len(self.peers) * SCRATCH_PER_PEER, dtype=np.uint8)
+        self.token = token
+        self.tenant = tenant
+        self.deadline_s = deadline_s
+        self.backoff = backoff
+        self._stats = stats
+        self._agent: AgentThread | None = None
+        self._cleanup: set[asyncio.Future] = set()
+
+    def attach(self, agent: AgentThread | None) -> None:
+        """The NIXL agent that peers' metadata goes into (``None``: closed)."""
+        self._agent = agent
+
+    # -- who is up ------------------------------------------------------------------------
+
+    def up_addresses(self) -> list[str]:
+        return [p.address for p in self.peers if p.up]
+
+    def links(self) -> list[Link]:
+        """A link per peer that is up now, for one call (after ``reconnect_due``)."""
+        return [
+            Link(p, p.client, p.remote_agent)
+            for p in self.peers
+            if p.up and p.client is not None and p.remote_agent is not None
+        ]
+
+    def peer(self, address: str) -> Peer:
+        return next(p for p in self.peers if p.address == address)
+
+    # -- coming and going -----------------------------------------------------------------
+
+    async def connect_all(self) -> None:
+        await asyncio.gather(*(self.connect(peer) for peer in self.peers))
+
+    def reconnect_due(self) -> None:
+        """Start a handshake with every peer that is down and whose backoff has passed."""
+        now = time.monotonic()
+        for peer in self.peers:
+            if not peer.up and peer.connecting is None and now >= peer.retry_at:
+                peer.connecting = asyncio.create_task(self.connect(peer))
+
+    async def connect(self, peer: Peer) -> None:
+        """Handshake, load the peer's NIXL metadata, and READ its probe bytes (which proves
+        the data plane and wires the transport up before the first real transfer)."""
+        agent = self._agent
+        assert agent is not None
+        deadline = time.monotonic() + self.deadline_s
+        client: PeerClient | None = None
+        name: str | None = None
+        peer.connecting = peer.connecting or asyncio.current_task()
+        try:
+            client = await PeerClient.connect(
+                peer.host, peer.port, self.token, deadline, self._on_lost(peer), self.tenant
+            )
+            welcome = client.welcome
+            try:
+                check_peer_metadata(
+                    welcome.agent_metadata,
+                    f"kvtier-peer-{welcome.instance_id.hex()}",
+                    welcome.pool_addr,
+                    welcome.probe_addr + welcome.probe_len,
+                )
+            except MetadataError as exc:
+                raise PeerUnavailable(f"{peer.address}: NIXL metadata refused: {exc}") from exc
+            raw_name = await agent.call(
+                lambda a: a.add_remote_agent(welcome.agent_metadata), max(0.01, deadline - time.monotonic())
+            )
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            scratch = self.scratch.ctypes.data + peer.scratch_offset
+            probe = descriptors([scratch], [INSTANCE_ID_BYTES])
+            future = agent.transfer(
+                "READ", probe, descriptors([welcome.probe_addr], [INSTANCE_ID_BYTES]), [1], name, deadline
+            )
+            (outcome,) = await settle(future, deadline, 1)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            got = self.scratch[peer.scratch_offset : peer.scratch_offset + INSTANCE_ID_BYTES].tobytes()
+            if got != welcome.instance_id:
+                raise PeerUnavailable(f"{peer.address}: the probe read other memory than the peer announced")
+        except BaseException as exc:  # whatever went wrong, the peer is not usable now
+            if client is not None:
+                await client.close()
+            if name is not None and not isinstance(exc, TransferTimeout):
+                self.remove_agent(name)
+            if not isinstance(exc, Exception):
+                raise  # cancelled: the tier is closing
+            self._back_off(peer)
+            log.warning(
+                "peer %s unreachable (%s); next try in %.1f s",
+                peer.address,
+                exc,
+                peer.retry_at - time.monotonic(),
+            )
+            return
+        finally:
+            peer.connecting = None
+        if peer.failures:
+            self._stats.rejoins += 1
+            log.warning("peer %s is back (instance %s)", peer.address, welcome.instance_id.hex()[:8])
+        peer.client, peer.remote_agent, peer.failures = client, name, 0
+
+    def _on_lost(self, peer: Peer) -> Callable[[PeerClient, str], None]:
+        def lost(client: PeerClient, reason: str) -> None:
+            self.mark_down(peer, reason, client)
+
+        return lost
+
+    def mark_down(self, peer: Peer, reason: str, client: PeerClient | None = None) -> None:
+        """Stop routing to ``peer``; retry it after a backoff. With ``client``: only if that is
+        still the peer's connection (a late failure must not take down a rejoined peer)."""
+        if client is not None and peer.client is not client:
+            return
+        client, peer.client = peer.client, None
+        if client is None:
+            return
+        self._stats.peer_failures += 1
+        self._back_off(peer)
+        log.warning(
+            "peer %s down: %s; next try in %.1f s", peer.address, reason, peer.retry_at - time.monotonic()
+        )
+        task = asyncio.ensure_future(client.close())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+        if peer.remote_agent is not None:
+            self.remove_agent(peer.remote_agent)
+            peer.remote_agent = None
+
+    def _back_off(self, peer: Peer) -> None:
+        peer.failures += 1
+        peer.retry_at = self.backoff.retry_at(peer.failures)
+
+    def remove_agent(self, name: str) -> None:
+        """Drop a peer's NIXL metadata (and connection) on the agent's thread, after anything
+        already queued towards it."""
+        if self._agent is not None:
+            self._agent.submit(lambda a: quietly(a.remove_remote_agent, name))
+
+    async def disconnect(self, grace_s: float) -> list[str]:
+        """Stop every handshake and close every connection (waiting up to ``grace_s`` for
+        closes already under way); the NIXL names of the peers, for the agent's teardown."""
+        for peer in self.peers:
+            if peer.connecting is not None:
+                peer.connecting.cancel()
+        await asyncio.gather(*(p.connecting for p in self.peers if p.connecting), return_exceptions=True)
+        for peer in self.peers:
+            if peer.client is not None:
+                await peer.client.close()
+                peer.client = None
+        if self._cleanup:
+            await asyncio.wait(self._cleanup, timeout=grace_s)
+        return [p.remote_agent for p in self.peers if p.remote_agent]
+
+    def forget_agents(self) -> None:
+        """After the agent is gone: no peer has a NIXL name any more."""
+        for peer in self.peers:
+            peer.remote_agent = None

@@ -1,0 +1,29 @@
+"""The remote tier's counters, kept by its parts (membership, data plane, the tier itself)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiers.base import TierStats
+
+
+@dataclass
+class RemoteStats(TierStats):
+    """Counters since the tier was built and, in a ``stats()`` snapshot, its levels."""
+
+    stored: int = 0
+    dropped: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  # rows refused by their header (before the READ) or checksum (after)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    transfers: int = 0  # NIXL requests (parts)
+    descriptors: int = 0  # rows in them
+    timeouts: int = 0
+    peer_failures: int = 0  # peers marked down
+    rejoins: int = 0  # peers back after a failure
+    peers: int = 0
+    peers_up: int = 0
+    known_keys: int = 0  # what may_contain remembers
+    parts_checksummed_beside: int = 0  # parts hashed on the thread beside the agent's
