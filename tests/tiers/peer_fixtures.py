@@ -200,7 +200,9 @@ async def open_tier(
 ) -> AsyncIterator[RemoteTier]:
     """A ``RemoteTier`` over ``addresses``, opened on ``host``; ``kwargs`` go to its constructor."""
     tier = RemoteTier(
-        remote_settings(addresses, tenant=tenant, deadline_s=deadline_s, checksum_thread=checksum_thread),
+        remote_settings(
+            addresses, peer_tenant=tenant, deadline_s=deadline_s, checksum_thread=checksum_thread
+        ),
         namespace.ljust(16, b"\x00"),
         LAYOUT,
         **kwargs,
