@@ -1,5 +1,6 @@
 """What the lower tiers share: host-buffer checks, row addresses, byte views, the bounded
-memory of stored keys, backoff, ``host:port`` parsing and the machine's IPv6 addresses.
+memory of stored keys, backoff and the machine's IPv6 addresses (``host:port`` is
+``tiers.address``).
 
 Each of these was written once per tier (disk, remote, Mooncake) and drifted apart in small
 ways; one copy keeps their rules the same. Nothing here imports NIXL, Mooncake or LMDB, so

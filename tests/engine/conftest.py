@@ -92,6 +92,11 @@ def make_engine(model_dir: str, shm_dir: Path, tmp_path: Path) -> Iterator[Calla
                 "shm_dir": str(shm_dir),
                 **({"kvtier_config": kvtier_config} if kvtier_config is not None else {}),
             }
+        # One OpenMP thread, whatever vLLM's CPU thread binding would pick on this machine: with
+        # two, a prefix computed cold and one read from the device cache gave bit-identical
+        # logprobs (2026-11-25), and the control test could no longer tell a load from a
+        # recompute; with one they differ, as the exactness checks need.
+        spec.setdefault("env", {"OMP_NUM_THREADS": "1"})
         spec.setdefault("device_blocks", 80)  # 2,560 tokens: less than two documents
         spec.setdefault("max_model_len", 2048)
         spec.setdefault("model_dir", model_dir)
