@@ -28,11 +28,13 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches as VllmCanonicalKVCaches
 from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from offload.row_layout import RowConverter
 from offload.stack import build_manager
 from offload.vllm.canonical import HostLayout, config_fingerprint, to_kvtier_caches
 from offload.vllm.compat import check_vllm_version
 from offload.vllm.manager_adapter import KVTierInfo, KVTierOffloadingManager
 from offload.vllm.metrics import metric_definitions
+from offload.vllm.row_layout import describe_rows, read_model_shape
 from offload.vllm.settings import SpecSettings
 from offload.vllm.worker_adapter import KVTierWorker
 from offload.worker import OffloadingWorker
@@ -58,6 +60,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
         # Byte-identical ranks (MLA under TP) share one band: only rank 0 writes it.
         self.replicated_layout = config.replicated_layout
         self.fingerprint = config_fingerprint(config, self.layout)
+        # What the rows' bytes mean, where vLLM's config and the model's say (row_layout.py):
+        # rows of engines with other page orders or packing are then found and converted.
+        self.row_layout, why = describe_rows(config, self.layout, read_model_shape(config.model.name))
+        if self.row_layout is None:
+            log.info("kvtier: rows keyed by the configuration fingerprint only: %s", why)
         self.shm_path = os.path.join(self.settings.shm_dir, f"kvtier_{config.engine_id}.mmap")
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierWorker | None = None
@@ -85,7 +92,13 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
             try:
                 manager = build_manager(
-                    settings.tiers, host, fingerprint=self.fingerprint, dtype=self.config.model.dtype
+                    settings.tiers,
+                    host,
+                    fingerprint=self.fingerprint,
+                    dtype=self.config.model.dtype,
+                    converter=RowConverter(self.row_layout) if self.row_layout is not None else None,
+                    # vLLM's workers get no per-row layout ids yet: rows convert as they land.
+                    convert_on_landing=True,
                 )
             except Exception:
                 host.close(unlink=True)
@@ -100,13 +113,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
             log.info(
                 "kvtier: tiers %s (config from %s), %d host rows per group of %d B (%d block(s) per row), "
-                "layout %s, host file %s",
+                "layout %s (%s), host file %s",
                 [tier.kind for tier in settings.tiers.tiers],
                 settings.config_source,
                 host.num_slots,
                 self.layout.row_bytes,
                 self.layout.blocks_per_chunk,
                 self.fingerprint,
+                "described: rows of other layouts convert" if self.row_layout else "fingerprint only",
                 self.shm_path,
             )
         return self._manager

@@ -55,6 +55,7 @@ BLOCK_SIZE = 16
 NUM_LAYERS = 4
 SLIDING_WINDOW = 48
 SAMPLED_TOKEN = 7
+HEAD_SIZE = 8
 
 
 class KVTierTinyForCausalLM(nn.Module):
@@ -73,11 +74,12 @@ class KVTierTinyForCausalLM(nn.Module):
         raise NotImplementedError
 
 
-def tiny_model_dir(root: Path) -> Path:
-    """A Hugging Face config for the tiny model (no weights, no tokenizer: none are loaded)."""
+def tiny_model_dir(root: Path, name: str = "tiny-model", kv_heads: int = 2) -> Path:
+    """A Hugging Face config for the tiny model (no weights, no tokenizer: none are loaded).
+    Its KV heads and head size are those of ``Engine``'s layers (the spec reads them here)."""
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, KVTierTinyForCausalLM)
-    path = root / "tiny-model"
+    path = root / name
     path.mkdir(exist_ok=True)
     config = {
         "architectures": [ARCH],
@@ -85,7 +87,8 @@ def tiny_model_dir(root: Path) -> Path:
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": kv_heads,
+        "head_dim": HEAD_SIZE,
         "num_hidden_layers": NUM_LAYERS,
         "vocab_size": 1000,
         "max_position_embeddings": 4096,
@@ -127,6 +130,8 @@ class Engine:
         kvtier_config: Any = None,
         enable_events: bool = False,
         extra: dict[str, Any] | None = None,
+        kv_heads: int = 2,
+        dtype: str = "float16",
     ) -> None:
         extra_config: dict[str, Any] = {
             "spec_name": "KVTierOffloadingSpec",
@@ -137,7 +142,7 @@ class Engine:
             **({"kvtier_config": kvtier_config} if kvtier_config is not None else {}),
             **(extra or {}),
         }
-        model_config = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True)
+        model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True)
         cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
         cache_config.kv_cache_layout = layout
         config = VllmConfig(
@@ -161,18 +166,19 @@ class Engine:
         # vLLM runs hybrid models with one block table per group only on GPU platforms.
         config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
         self.config = config
+        torch_dtype = getattr(torch, dtype)
         self.layer_specs = {
             f"layer{i}": (
                 SlidingWindowSpec(
                     block_size=BLOCK_SIZE,
-                    num_kv_heads=2,
-                    head_size=8,
-                    dtype=torch.float16,
+                    num_kv_heads=kv_heads,
+                    head_size=HEAD_SIZE,
+                    dtype=torch_dtype,
                     sliding_window=SLIDING_WINDOW,
                 )
                 if hybrid and i % 2
                 else FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16
+                    block_size=BLOCK_SIZE, num_kv_heads=kv_heads, head_size=HEAD_SIZE, dtype=torch_dtype
                 )
             )
             for i in range(NUM_LAYERS)

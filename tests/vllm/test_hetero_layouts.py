@@ -1,0 +1,147 @@
+"""Two vLLM engines with other KV cache layouts share one stored prefix (issue #19).
+
+Each pair runs through vLLM's real ``Scheduler`` and ``OffloadingConnector`` (``harness``):
+the writer computes and stores a prompt below the host tier (a real LMDB disk tier, or a
+real ``kvtier peer``), the reader, with another physical layout (NHD vs HND pages, packed
+cross-layer vs a tensor per layer), asks for it. The harness checks every block the reader
+loads against the bytes the model computes for it in the reader's own layout, so a row
+used without conversion (or converted wrongly) fails the test. A model with other head
+counts, or another dtype, must miss: never converted garbage.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm.harness import BLOCK_SIZE, tiny_model_dir
+
+PREFIX = list(range(100, 260))  # 160 tokens: 10 blocks
+ROWS = len(PREFIX) // BLOCK_SIZE
+
+PAIRS = [
+    ("LBNHC", "LBHNC"),  # NHD -> HND, a tensor per layer
+    ("BLHNC", "LBNHC"),  # packed cross-layer HND -> per-layer NHD
+    ("LBHNC", "BLNHC"),  # per-layer HND -> packed NHD
+    ("BLNHC", "BLHNC"),  # packed NHD -> packed HND
+]
+
+
+def toml(tmp_path, lower: str, name: str) -> str:
+    """Host tier, then ``lower`` written through; one namespace model id for every engine
+    (the engines below load the same model from different directories)."""
+    path = tmp_path / name
+    path.write_text(f"""
+[namespace]
+model = "tiny"
+
+[[tiers]]
+kind = "host"
+
+[[tiers]]
+{lower}
+capacity = "64MiB"
+placement = "write-through"
+""")
+    return str(path)
+
+
+def disk(tmp_path, name: str = "tiers.toml") -> str:
+    return toml(tmp_path, f'kind = "disk"\npath = "{tmp_path / "disk"}"\nadmission = "all"', name)
+
+
+def store(engine) -> None:
+    """Compute ``PREFIX`` (and a tail) on ``engine`` and wait until its rows are below the host tier."""
+    engine.add(PREFIX + list(range(500, 540)))
+    engine.run()
+    manager = engine.manager.manager
+    assert manager.lower.engine.wait_idle(10)
+    manager.poll()
+    assert manager.lower.stats.spills_done >= ROWS
+
+
+def ask(engine) -> tuple[list[tuple[int, int]], set[int]]:
+    """A request for ``PREFIX`` and another tail: (the token ranges loaded, positions computed)."""
+    engine.scramble()  # a block kvtier did not write now holds noise
+    req = engine.add(PREFIX + list(range(600, 630)))
+    engine.run()  # verifies every loaded block against the model's bytes in this layout
+    record = engine.requests[req]
+    return record.loaded, record.computed
+
+
+def share_through_disk(make_engine, tmp_path, writer: dict, reader: dict):
+    writer_engine = make_engine(kvtier_config=disk(tmp_path, "writer.toml"), **writer)
+    store(writer_engine)
+    writer_engine.shutdown()  # one process opens an LMDB environment once: the writer closes it
+    writer_engine.shutdown = lambda: None
+    reader_engine = make_engine(kvtier_config=disk(tmp_path, "reader.toml"), **reader)
+    return reader_engine, *ask(reader_engine)
+
+
+@pytest.mark.parametrize(("writer", "reader"), PAIRS)
+def test_a_prefix_stored_in_one_layout_loads_converted_in_another_from_disk(
+    make_engine, tmp_path, writer, reader
+):
+    engine, loaded, computed = share_through_disk(
+        make_engine, tmp_path, {"layout": writer}, {"layout": reader}
+    )
+    assert loaded == [(0, len(PREFIX))], "the whole prefix must come from the writer's rows"
+    assert not computed & set(range(len(PREFIX))), "no prefix token may be recomputed"
+    lower = engine.manager.manager.lower
+    assert lower.rows_converted == ROWS, "every row was in the writer's layout and had to convert"
+    spec = engine.spec
+    assert spec.row_layout is not None and spec.row_layout.groups[0].order == (
+        "NHD" if "NH" in reader else "HND"
+    )
+
+
+def test_the_same_layout_loads_without_conversion(make_engine, tmp_path):
+    engine, loaded, _ = share_through_disk(make_engine, tmp_path, {"layout": "BLHNC"}, {"layout": "LBHNC"})
+    assert loaded == [(0, len(PREFIX))]
+    assert engine.manager.manager.lower.rows_converted == 0, "packed and per-layer rows are the same bytes"
+
+
+def test_another_head_count_is_a_miss(make_engine, tmp_path):
+    wide = tiny_model_dir(tmp_path, "tiny-4-heads", kv_heads=4)
+    _, loaded, computed = share_through_disk(
+        make_engine, tmp_path, {"layout": "LBNHC", "kv_heads": 4, "model_dir": wide}, {"layout": "LBHNC"}
+    )
+    assert loaded == [], "rows of a model with other head counts are another namespace"
+    assert set(range(len(PREFIX))) <= computed
+
+
+def test_another_dtype_is_a_miss(make_engine, tmp_path):
+    _, loaded, computed = share_through_disk(
+        make_engine, tmp_path, {"layout": "LBNHC", "dtype": "bfloat16"}, {"layout": "LBHNC"}
+    )
+    assert loaded == []
+    assert set(range(len(PREFIX))) <= computed
+
+
+@pytest.fixture
+def peer(tmp_path):
+    from tests.tiers.peer_fixtures import start_peers
+
+    (process,) = start_peers(tmp_path, 1, capacity="64MiB", row_bytes="1MiB")
+    yield process
+    process.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("writer", "reader"), [PAIRS[0], PAIRS[1]])
+def test_a_prefix_put_at_a_peer_in_one_layout_loads_converted_in_another(
+    make_engine, tmp_path, peer, writer, reader
+):
+    remote = f'kind = "remote"\npeers = ["{peer.address}"]\ndeadline_s = 1.0\nlookup_wait_s = 4.0'
+    writer_engine = make_engine(kvtier_config=toml(tmp_path, remote, "writer.toml"), layout=writer)
+    store(writer_engine)
+    reader_engine = make_engine(kvtier_config=toml(tmp_path, remote, "reader.toml"), layout=reader)
+    loaded, computed = ask(reader_engine)
+    assert loaded == [(0, len(PREFIX))]
+    assert not computed & set(range(len(PREFIX)))
+    assert reader_engine.manager.manager.lower.rows_converted == ROWS
+    # A document nobody stored is not served from the writer's rows.
+    other = reader_engine.add([5000 + i for i in range(len(PREFIX))])
+    reader_engine.run()
+    assert reader_engine.requests[other].loaded == []
