@@ -132,7 +132,12 @@ class Engine:
         extra: dict[str, Any] | None = None,
         kv_heads: int = 2,
         dtype: str = "float16",
+        block_size: int = BLOCK_SIZE,
+        connector: str = "OffloadingConnector",
     ) -> None:
+        """``connector``: ``OffloadingConnector`` (vLLM's, keys are block hashes) or
+        ``KVTierConnector`` (``offload.vllm.connector``: keys are token digests)."""
+        self.block_size = block_size
         extra_config: dict[str, Any] = {
             "spec_name": "KVTierOffloadingSpec",
             "spec_module_path": "offload.vllm",
@@ -143,7 +148,7 @@ class Engine:
             **(extra or {}),
         }
         model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True)
-        cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+        cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=True)
         cache_config.kv_cache_layout = layout
         config = VllmConfig(
             model_config=model_config,
@@ -155,7 +160,14 @@ class Engine:
             ),
             cache_config=cache_config,
             kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra_config
+                kv_connector=connector,
+                kv_role="kv_both",
+                kv_connector_extra_config=extra_config,
+                **(
+                    {"kv_connector_module_path": "offload.vllm.connector"}
+                    if connector != "OffloadingConnector"
+                    else {}
+                ),
             ),
             device_config=DeviceConfig("cpu"),
         )
@@ -170,7 +182,7 @@ class Engine:
         self.layer_specs = {
             f"layer{i}": (
                 SlidingWindowSpec(
-                    block_size=BLOCK_SIZE,
+                    block_size=self.block_size,
                     num_kv_heads=kv_heads,
                     head_size=HEAD_SIZE,
                     dtype=torch_dtype,
@@ -178,7 +190,7 @@ class Engine:
                 )
                 if hybrid and i % 2
                 else FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=kv_heads, head_size=HEAD_SIZE, dtype=torch_dtype
+                    block_size=self.block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE, dtype=torch_dtype
                 )
             )
             for i in range(NUM_LAYERS)
@@ -195,18 +207,24 @@ class Engine:
             kv_cache_config=kv_cache_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
+            block_size=self.block_size,
         )
-        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        worker_class = OffloadingConnector
+        if connector != "OffloadingConnector":
+            from offload.vllm.connector import KVTierConnector
+
+            worker_class = KVTierConnector
+        self.worker = worker_class(config, KVConnectorRole.WORKER, kv_cache_config)
         with set_current_vllm_config(config):
             self.worker.register_kv_caches(self.kv_caches)
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
         self.connector = connector
         self.manager = connector.connector_scheduler.manager  # type: ignore[union-attr]
+        self.manager = getattr(self.manager, "inner", self.manager)  # KVTierConnector's token keys
         self.spec = self.worker.connector_worker.spec  # type: ignore[union-attr]
         init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._hasher = get_request_block_hasher(self.block_size, sha256)
         self._ids = itertools.count()
         self.requests: dict[str, RequestRecord] = {}
         self.steps = 0
@@ -293,7 +311,7 @@ class Engine:
         for position in range(end - count, end):
             record.computed.add(position)
             for group, ids in zip(self.kv_cache_config.kv_cache_groups, block_ids, strict=True):
-                block = ids[position // BLOCK_SIZE]
+                block = ids[position // self.block_size]
                 if block == 0:
                     continue  # outside a sliding window: no block
                 for name in group.layer_names:
@@ -302,7 +320,7 @@ class Engine:
     def _slot(self, name: str, block: int, position: int) -> torch.Tensor:
         """One token's bytes of one layer: ``[heads, bytes]``."""
         view = self.kv_caches[name][block]  # [H, N, C] in the layer's dtype
-        return view[:, position % BLOCK_SIZE].view(torch.int8)
+        return view[:, position % self.block_size].view(torch.int8)
 
     def _expected(self, name: str, position: int, token: int) -> torch.Tensor:
         layer = int(name.removeprefix("layer"))
@@ -325,7 +343,7 @@ class Engine:
         checked = 0
         for group, ids in zip(self.kv_cache_config.kv_cache_groups, block_ids, strict=True):
             for position in range(start, end):
-                index = position // BLOCK_SIZE
+                index = position // self.block_size
                 if index >= len(ids) or ids[index] == 0:
                     continue
                 for name in group.layer_names:

@@ -51,32 +51,32 @@ def disk(tmp_path, name: str = "tiers.toml") -> str:
     return toml(tmp_path, f'kind = "disk"\npath = "{tmp_path / "disk"}"\nadmission = "all"', name)
 
 
-def store(engine) -> None:
-    """Compute ``PREFIX`` (and a tail) on ``engine`` and wait until its rows are below the host tier."""
-    engine.add(PREFIX + list(range(500, 540)))
+def store(engine, prefix: list[int] = PREFIX, rows: int = ROWS) -> None:
+    """Compute ``prefix`` (and a tail) on ``engine`` and wait until its rows are below the host tier."""
+    engine.add(prefix + list(range(5000, 5040)))
     engine.run()
     manager = engine.manager.manager
     assert manager.lower.engine.wait_idle(10)
     manager.poll()
-    assert manager.lower.stats.spills_done >= ROWS
+    assert manager.lower.stats.spills_done >= rows
 
 
-def ask(engine) -> tuple[list[tuple[int, int]], set[int]]:
-    """A request for ``PREFIX`` and another tail: (the token ranges loaded, positions computed)."""
+def ask(engine, prefix: list[int] = PREFIX) -> tuple[list[tuple[int, int]], set[int]]:
+    """A request for ``prefix`` and another tail: (the token ranges loaded, positions computed)."""
     engine.scramble()  # a block kvtier did not write now holds noise
-    req = engine.add(PREFIX + list(range(600, 630)))
+    req = engine.add(prefix + list(range(6000, 6030)))
     engine.run()  # verifies every loaded block against the model's bytes in this layout
     record = engine.requests[req]
     return record.loaded, record.computed
 
 
-def share_through_disk(make_engine, tmp_path, writer: dict, reader: dict):
+def share_through_disk(make_engine, tmp_path, writer: dict, reader: dict, prefix=PREFIX, rows=ROWS):
     writer_engine = make_engine(kvtier_config=disk(tmp_path, "writer.toml"), **writer)
-    store(writer_engine)
+    store(writer_engine, prefix, rows)
     writer_engine.shutdown()  # one process opens an LMDB environment once: the writer closes it
     writer_engine.shutdown = lambda: None
     reader_engine = make_engine(kvtier_config=disk(tmp_path, "reader.toml"), **reader)
-    return reader_engine, *ask(reader_engine)
+    return reader_engine, *ask(reader_engine, prefix)
 
 
 @pytest.mark.parametrize(("writer", "reader"), PAIRS)
@@ -119,6 +119,51 @@ def test_another_dtype_is_a_miss(make_engine, tmp_path):
     assert set(range(len(PREFIX))) <= computed
 
 
+# -- other block sizes: rows keyed by their tokens (KVTierConnector) ------------------------
+
+LONG = list(range(100, 356))  # 256 tokens: four 64-token rows
+SMALL_NHD = {"layout": "LBNHC", "block_size": 16, "blocks_per_chunk": 4}  # four blocks a row
+LARGE_HND = {"layout": "LBHNC", "block_size": 64}
+TOKEN_KEYS = {"connector": "KVTierConnector"}
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader"), [(SMALL_NHD, LARGE_HND), (LARGE_HND, SMALL_NHD)], ids=["16NHD-64HND", "64HND-16NHD"]
+)
+def test_engines_with_other_block_sizes_share_a_prefix_through_disk(make_engine, tmp_path, writer, reader):
+    engine, loaded, computed = share_through_disk(
+        make_engine, tmp_path, writer | TOKEN_KEYS, reader | TOKEN_KEYS, prefix=LONG, rows=4
+    )
+    assert loaded == [(0, len(LONG))], "the whole prefix must come from the writer's rows"
+    assert not computed & set(range(len(LONG)))
+    assert engine.manager.manager.lower.rows_converted == 4
+    assert engine.connector.token_keys.translated > 0
+
+
+def test_without_token_keys_other_block_sizes_do_not_share(make_engine, tmp_path):
+    """What ``KVTierConnector`` is for: vLLM's block hashes differ with the block size."""
+    _, loaded, computed = share_through_disk(make_engine, tmp_path, SMALL_NHD, LARGE_HND, prefix=LONG, rows=4)
+    assert loaded == []
+    assert set(range(len(LONG))) <= computed
+
+
+def test_token_keys_serve_only_the_rows_before_a_changed_token(make_engine, tmp_path):
+    engine, loaded, _ = share_through_disk(
+        make_engine, tmp_path, SMALL_NHD | TOKEN_KEYS, LARGE_HND | TOKEN_KEYS, prefix=LONG, rows=4
+    )
+    assert loaded == [(0, len(LONG))]
+    # The same tokens but one in the third row: from that row on, it is another document.
+    changed = list(LONG)
+    changed[130] += 1
+    engine.evict_device_cache()
+    engine.scramble()
+    other = engine.add([*changed, 7000])
+    engine.run()
+    record = engine.requests[other]
+    assert record.loaded == [(0, 128)], "the two rows before the changed token are the same document's"
+    assert set(range(128, len(LONG))) <= record.computed
+
+
 @pytest.fixture
 def peer(tmp_path):
     from tests.tiers.peer_fixtures import start_peers
@@ -128,20 +173,32 @@ def peer(tmp_path):
     process.close()
 
 
+PEER_PAIRS = [
+    ({"layout": "LBNHC"}, {"layout": "LBHNC"}, PREFIX, ROWS),
+    ({"layout": "BLHNC"}, {"layout": "LBNHC"}, PREFIX, ROWS),
+    (LARGE_HND | TOKEN_KEYS, SMALL_NHD | TOKEN_KEYS, LONG, 4),
+    (SMALL_NHD | {"layout": "BLNHC"} | TOKEN_KEYS, LARGE_HND | TOKEN_KEYS, LONG, 4),
+]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("writer", "reader"), [PAIRS[0], PAIRS[1]])
+@pytest.mark.parametrize(
+    ("writer", "reader", "prefix", "rows"),
+    PEER_PAIRS,
+    ids=["NHD-HND", "packed-NHD", "64HND-16NHD", "16packed-64HND"],
+)
 def test_a_prefix_put_at_a_peer_in_one_layout_loads_converted_in_another(
-    make_engine, tmp_path, peer, writer, reader
+    make_engine, tmp_path, peer, writer, reader, prefix, rows
 ):
     remote = f'kind = "remote"\npeers = ["{peer.address}"]\ndeadline_s = 1.0\nlookup_wait_s = 4.0'
-    writer_engine = make_engine(kvtier_config=toml(tmp_path, remote, "writer.toml"), layout=writer)
-    store(writer_engine)
-    reader_engine = make_engine(kvtier_config=toml(tmp_path, remote, "reader.toml"), layout=reader)
-    loaded, computed = ask(reader_engine)
-    assert loaded == [(0, len(PREFIX))]
-    assert not computed & set(range(len(PREFIX)))
-    assert reader_engine.manager.manager.lower.rows_converted == ROWS
+    writer_engine = make_engine(kvtier_config=toml(tmp_path, remote, "writer.toml"), **writer)
+    store(writer_engine, prefix, rows)
+    reader_engine = make_engine(kvtier_config=toml(tmp_path, remote, "reader.toml"), **reader)
+    loaded, computed = ask(reader_engine, prefix)
+    assert loaded == [(0, len(prefix))]
+    assert not computed & set(range(len(prefix)))
+    assert reader_engine.manager.manager.lower.rows_converted == rows
     # A document nobody stored is not served from the writer's rows.
-    other = reader_engine.add([5000 + i for i in range(len(PREFIX))])
+    other = reader_engine.add([9000 + i for i in range(len(prefix))])
     reader_engine.run()
     assert reader_engine.requests[other].loaded == []
