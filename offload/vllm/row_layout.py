@@ -11,11 +11,22 @@ sources that the scheduler and every worker process read the same way:
 - the host layout (``canonical.HostLayout``): one band per worker per block.
 
 A vLLM page is ``[H, N, C]`` (heads outside tokens: ``HND``) or ``[N, H, C]`` (``NHD``)
-where ``C`` is a head's K *and* V for one token (``(head_size + head_size_v) * itemsize``).
-kvtier's canonical row concatenates a block's pages in layer order, so packed
-(``B`` outermost) and per-layer (``L`` outermost) layouts give the same row bytes, and a
-row is a ``GroupRowLayout`` with ``kv=1`` and ``head_bytes=C``: NHD and HND rows then
-convert into each other (``offload.row_layout``).
+with ``C = (head_size + head_size_v) * itemsize`` bytes. kvtier's canonical row
+concatenates a block's pages in layer order, so packed (``B`` outermost) and per-layer
+(``L`` outermost) layouts give the same row bytes. Where K and V sit inside ``C`` is the
+attention backend's reading (``kv_page_split``, ``settings.py``):
+
+- ``token``: ``C`` is one token's K then its V (FlashAttention's split of the last dim):
+  a row is a ``GroupRowLayout`` with ``kv=1`` and ``head_bytes=C``, and NHD and HND rows,
+  and rows of other block sizes, convert into each other (``offload.row_layout``);
+- ``cpu``: vLLM's CPU attention (its ``vec`` kernels, measured with
+  ``cpu_attn_reshape_and_cache``): a head's ``[N, C]`` is its K stored dim-major
+  (``[D, N]``), then its V token-major (``[N, D]``); a row is
+  ``GroupRowLayout(layers=L*H, kv=2, heads=D, head_bytes=itemsize, order=HND,
+  v_order=NHD)``: rows of other block sizes convert. Its other kernels (``amx``,
+  ``vec16``, ``neon``, ...) pack K otherwise: not described.
+
+The two readings have other logical shapes, so they never share rows.
 
 The description is refused (``None``, with the reason logged) wherever the bytes vLLM
 reports do not equal what that shape predicts: several workers' bands in a row (tensor or
@@ -99,10 +110,32 @@ def read_model_shape(model: str) -> ModelShape | None:
         return None
 
 
+def resolve_page_split(setting: str) -> str:
+    """``token`` or ``cpu`` for the ``kv_page_split`` setting (``auto``: by vLLM's platform)."""
+    if setting != "auto":
+        return setting
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "token"
+
+
+def cpu_attention_isa(dtype: str, block_size: int, head_size: int) -> str | None:
+    """The kernel vLLM's CPU attention picks for these caches (it decides the K packing)."""
+    try:
+        import torch
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(getattr(torch, dtype), block_size, head_size))
+    except Exception as exc:  # another vLLM build: the packing is not known
+        log.info("kvtier: vLLM's CPU attention kernel not known here (%s)", exc)
+        return None
+
+
 def describe_rows(
-    config: OffloadingConfig, host: HostLayout, shape: ModelShape | None
+    config: OffloadingConfig, host: HostLayout, shape: ModelShape | None, page_split: str = "token"
 ) -> tuple[RowLayout | None, str]:
-    """The layout of this engine's host rows, or ``None`` and why it cannot be described."""
+    """The layout of this engine's host rows, or ``None`` and why it cannot be described.
+    ``page_split``: ``token`` or ``head`` (see the module doc)."""
     if shape is None:
         return None, "the model's KV heads and head size are not known (no config.json)"
     order = PAGE_ORDERS.get(config.kv_cache_layout or "")
@@ -115,6 +148,13 @@ def describe_rows(
         return None, f"{host.num_workers} workers' bands share a row (tensor/pipeline parallel)"
     if config.parallel.dcp_size > 1 or config.parallel.pcp_size > 1:
         return None, "context parallel: a block's tokens are split across workers"
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    if page_split == "cpu":
+        if order != HND or shape.head_size != shape.head_size_v:
+            return None, f"vLLM's CPU attention with {config.kv_cache_layout} pages is not known"
+        isas = {cpu_attention_isa(dtype, g.tokens_per_block, shape.head_size) for g in config.groups}
+        if isas != {"vec"}:
+            return None, f"vLLM's CPU attention kernels {sorted(map(str, isas))}: only 'vec' pages are known"
     head_bytes = (shape.head_size + shape.head_size_v) * itemsize
     groups = []
     for group in config.groups:
@@ -126,10 +166,24 @@ def describe_rows(
                 f"{block_tokens} tokens x {head_bytes} B is {predicted} B a block, vLLM reports a "
                 f"{host.worker_block_bytes} B band (padding, MLA or a quantised cache)"
             )
-        groups.append(
+        if page_split == "cpu":  # per layer and head: K as [dims, tokens], then V as [tokens, dims]
+            groups.append(
+                GroupRowLayout(
+                    layers=len(group.layer_names) * shape.num_kv_heads,
+                    kv=2,
+                    heads=shape.head_size,
+                    head_bytes=itemsize,
+                    block_tokens=block_tokens,
+                    blocks_per_row=host.blocks_per_chunk,
+                    order=HND,
+                    v_order=NHD,
+                )
+            )
+            continue
+        groups.append(  # [layers, 1, heads, tokens, K and V of a token]
             GroupRowLayout(
                 layers=len(group.layer_names),
-                kv=1,  # a vLLM page keeps a head's K and V of a token together: C
+                kv=1,
                 heads=shape.num_kv_heads,
                 head_bytes=head_bytes,
                 block_tokens=block_tokens,
@@ -137,4 +191,4 @@ def describe_rows(
                 order=order,
             )
         )
-    return RowLayout(tuple(groups), str(config.model.dtype).removeprefix("torch.")), "described"
+    return RowLayout(tuple(groups), dtype), "described"

@@ -15,6 +15,10 @@ kvtier's keys:
   tier. Its host ``capacity`` / ``eviction`` may be left out when the vLLM keys give them;
   given twice with different values, it is an error.
 - ``shm_dir``: where the shared host-tier file lives (default ``/dev/shm``).
+- ``kv_page_split``: where a page keeps K and V apart, for ``offload.vllm.row_layout``:
+  ``"token"`` (each token's K then V: the ``C`` of vLLM's ``[B, H, N, C]`` view, as
+  FlashAttention reads it), ``"cpu"`` (vLLM's CPU attention: a head's K dim-major, then
+  its V) or ``"auto"`` (the default: ``cpu`` on vLLM's CPU platform, else ``token``).
 
 A key that neither vLLM nor kvtier reads is logged once as a warning (vLLM adds keys
 between releases, so it is not an error).
@@ -58,7 +62,9 @@ VLLM_KEYS = frozenset(
 IGNORED_CPU_SPEC_KEYS = frozenset({"store_threshold", "max_tracker_size"})
 """``CPUOffloadingSpec`` keys with no equivalent on the host tier (admission is per lower tier)."""
 
-KVTIER_KEYS = frozenset({"kvtier_config", "shm_dir"})
+KVTIER_KEYS = frozenset({"kvtier_config", "shm_dir", "kv_page_split"})
+
+KV_PAGE_SPLITS = ("auto", "token", "cpu")
 
 DEFAULT_SHM_DIR = "/dev/shm"
 
@@ -68,6 +74,7 @@ class SpecSettings:
     tiers: KVTierConfig
     shm_dir: str
     config_source: str  # "inline", the TOML path, or "vLLM keys": for the start-up log line
+    kv_page_split: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *, model: str) -> SpecSettings:
@@ -118,7 +125,12 @@ class SpecSettings:
             raise ConfigError(f"kv_connector_extra_config.shm_dir = {shm_dir!r}: expected a directory path")
         if shm_dir == DEFAULT_SHM_DIR and not os.path.isdir(shm_dir):
             shm_dir = tempfile.gettempdir()  # no /dev/shm (macOS): a plain file still maps
-        return cls(tiers, shm_dir, source)
+        split = extra.get("kv_page_split", "auto")
+        if split not in KV_PAGE_SPLITS:
+            raise ConfigError(
+                f"kv_connector_extra_config.kv_page_split = {split!r}: expected one of {KV_PAGE_SPLITS}"
+            )
+        return cls(tiers, shm_dir, source, split)
 
 
 def _raw_tier_config(value: Any) -> tuple[dict[str, Any], str]:

@@ -34,7 +34,7 @@ from offload.vllm.canonical import HostLayout, config_fingerprint, to_kvtier_cac
 from offload.vllm.compat import check_vllm_version
 from offload.vllm.manager_adapter import KVTierInfo, KVTierOffloadingManager
 from offload.vllm.metrics import metric_definitions
-from offload.vllm.row_layout import describe_rows, read_model_shape
+from offload.vllm.row_layout import describe_rows, read_model_shape, resolve_page_split
 from offload.vllm.settings import SpecSettings
 from offload.vllm.worker_adapter import KVTierWorker
 from offload.worker import OffloadingWorker
@@ -62,7 +62,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.fingerprint = config_fingerprint(config, self.layout)
         # What the rows' bytes mean, where vLLM's config and the model's say (row_layout.py):
         # rows of engines with other page orders or packing are then found and converted.
-        self.row_layout, why = describe_rows(config, self.layout, read_model_shape(config.model.name))
+        self.row_layout, why = describe_rows(
+            config,
+            self.layout,
+            read_model_shape(config.model.name),
+            resolve_page_split(self.settings.kv_page_split),
+        )
         if self.row_layout is None:
             log.info("kvtier: rows keyed by the configuration fingerprint only: %s", why)
         self.shm_path = os.path.join(self.settings.shm_dir, f"kvtier_{config.engine_id}.mmap")

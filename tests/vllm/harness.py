@@ -143,6 +143,8 @@ class Engine:
             "spec_module_path": "offload.vllm",
             "cpu_bytes_to_use": cpu_bytes_to_use,
             "shm_dir": str(shm_dir),
+            # The "model" below writes C bytes per token and head: K and V of a token together.
+            "kv_page_split": "token",
             **({"blocks_per_chunk": blocks_per_chunk} if blocks_per_chunk != 1 else {}),
             **({"kvtier_config": kvtier_config} if kvtier_config is not None else {}),
             **(extra or {}),
