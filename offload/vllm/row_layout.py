@@ -119,6 +119,17 @@ def resolve_page_split(setting: str) -> str:
     return "cpu" if current_platform.is_cpu() else "token"
 
 
+def resolve_convert_on(setting: str) -> str:
+    """``landing`` or ``load`` for the ``convert_on`` setting (``auto``: landing on vLLM's
+    CPU platform, where the worker's copies share the CPU anyway; load on a GPU, where the
+    worker rewrites a row in device memory, as ``Offloader`` does)."""
+    if setting != "auto":
+        return setting
+    from vllm.platforms import current_platform
+
+    return "landing" if current_platform.is_cpu() else "load"
+
+
 def cpu_attention_isa(dtype: str, block_size: int, head_size: int) -> str | None:
     """The kernel vLLM's CPU attention picks for these caches (it decides the K packing)."""
     try:

@@ -34,7 +34,7 @@ from offload.vllm.canonical import HostLayout, config_fingerprint, to_kvtier_cac
 from offload.vllm.compat import check_vllm_version
 from offload.vllm.manager_adapter import KVTierInfo, KVTierOffloadingManager
 from offload.vllm.metrics import metric_definitions
-from offload.vllm.row_layout import describe_rows, read_model_shape, resolve_page_split
+from offload.vllm.row_layout import describe_rows, read_model_shape, resolve_convert_on, resolve_page_split
 from offload.vllm.settings import SpecSettings
 from offload.vllm.worker_adapter import KVTierWorker
 from offload.worker import OffloadingWorker
@@ -70,6 +70,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         )
         if self.row_layout is None:
             log.info("kvtier: rows keyed by the configuration fingerprint only: %s", why)
+        self.convert_on_landing = resolve_convert_on(self.settings.convert_on) == "landing"
         self.shm_path = os.path.join(self.settings.shm_dir, f"kvtier_{config.engine_id}.mmap")
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierWorker | None = None
@@ -101,9 +102,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     host,
                     fingerprint=self.fingerprint,
                     dtype=self.config.model.dtype,
-                    converter=RowConverter(self.row_layout) if self.row_layout is not None else None,
-                    # vLLM's workers get no per-row layout ids yet: rows convert as they land.
-                    convert_on_landing=True,
+                    converter=self._converter(),
+                    convert_on_landing=self.convert_on_landing,
                 )
             except Exception:
                 host.close(unlink=True)
@@ -129,6 +129,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 self.shm_path,
             )
         return self._manager
+
+    def _converter(self) -> RowConverter | None:
+        return RowConverter(self.row_layout) if self.row_layout is not None else None
 
     def get_worker(self, kv_caches: VllmCanonicalKVCaches) -> KVTierWorker:
         if self._worker is None:
@@ -160,6 +163,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 blocks_per_row=layout.blocks_per_chunk,
                 host_block_bytes=[layout.sub_row_bytes] * layout.num_groups,
                 host_offset_bytes=[layout.band_offset(rank)] * layout.num_groups,
+                converter=self._converter(),  # rows the scheduler leaves in another layout
             )
             self._worker = KVTierWorker(worker, host)
             log.info(

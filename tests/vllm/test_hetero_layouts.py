@@ -28,6 +28,11 @@ PAIRS = [
 ]
 
 
+def converted(engine) -> int:
+    """Rows rewritten into the engine's layout: on landing (scheduler) or on load (worker)."""
+    return engine.manager.manager.lower.rows_converted + engine.spec._worker.worker.rows_converted
+
+
 def toml(tmp_path, lower: str, name: str) -> str:
     """Host tier, then ``lower`` written through; one namespace model id for every engine
     (the engines below load the same model from different directories)."""
@@ -88,18 +93,32 @@ def test_a_prefix_stored_in_one_layout_loads_converted_in_another_from_disk(
     )
     assert loaded == [(0, len(PREFIX))], "the whole prefix must come from the writer's rows"
     assert not computed & set(range(len(PREFIX))), "no prefix token may be recomputed"
-    lower = engine.manager.manager.lower
-    assert lower.rows_converted == ROWS, "every row was in the writer's layout and had to convert"
+    assert converted(engine) == ROWS, "every row was in the writer's layout and had to convert"
     spec = engine.spec
     assert spec.row_layout is not None and spec.row_layout.groups[0].order == (
         "NHD" if "NH" in reader else "HND"
     )
 
 
+@pytest.mark.parametrize("where", ["landing", "load"])
+def test_rows_convert_on_landing_or_in_the_worker(make_engine, tmp_path, where):
+    engine, loaded, _ = share_through_disk(
+        make_engine,
+        tmp_path,
+        SMALL_NHD | TOKEN_KEYS,
+        LARGE_HND | TOKEN_KEYS | {"extra": {"convert_on": where}},
+        prefix=LONG,
+        rows=4,
+    )
+    assert loaded == [(0, len(LONG))]  # and every loaded block held the model's bytes
+    landed, by_worker = engine.manager.manager.lower.rows_converted, engine.spec._worker.worker.rows_converted
+    assert (landed, by_worker) == ((4, 0) if where == "landing" else (0, 4))
+
+
 def test_the_same_layout_loads_without_conversion(make_engine, tmp_path):
     engine, loaded, _ = share_through_disk(make_engine, tmp_path, {"layout": "BLHNC"}, {"layout": "LBHNC"})
     assert loaded == [(0, len(PREFIX))]
-    assert engine.manager.manager.lower.rows_converted == 0, "packed and per-layer rows are the same bytes"
+    assert converted(engine) == 0, "packed and per-layer rows are the same bytes"
 
 
 def test_another_head_count_is_a_miss(make_engine, tmp_path):
@@ -136,7 +155,7 @@ def test_engines_with_other_block_sizes_share_a_prefix_through_disk(make_engine,
     )
     assert loaded == [(0, len(LONG))], "the whole prefix must come from the writer's rows"
     assert not computed & set(range(len(LONG)))
-    assert engine.manager.manager.lower.rows_converted == 4
+    assert converted(engine) == 4
     assert engine.connector.token_keys.translated > 0
 
 
@@ -197,7 +216,7 @@ def test_a_prefix_put_at_a_peer_in_one_layout_loads_converted_in_another(
     loaded, computed = ask(reader_engine, prefix)
     assert loaded == [(0, len(prefix))]
     assert not computed & set(range(len(prefix)))
-    assert reader_engine.manager.manager.lower.rows_converted == rows
+    assert converted(reader_engine) == rows
     # A document nobody stored is not served from the writer's rows.
     other = reader_engine.add([9000 + i for i in range(len(prefix))])
     reader_engine.run()
