@@ -364,6 +364,7 @@ class _Child:
             if manager.lower.tiers:
                 stats["lower"] = dataclasses.asdict(manager.lower.stats)
                 stats["lower_inflight"] = manager.inflight_below()
+                stats["rows_converted_on_landing"] = manager.lower.rows_converted
         return stats
 
     # -- helpers -----------------------------------------------------------------------

@@ -18,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.engine.conftest import document
 from tests.engine.test_real_engine import lower_tier_config, wait_spilled
 
@@ -27,17 +29,24 @@ CACHED = 1152  # (len - 1) // 64 * 64: 18 rows of 64 tokens; 36 of D's 32-token 
 ROWS = CACHED // 64
 
 
-def engine_options(block_size: int, config: dict[str, Any] | None) -> dict[str, Any]:
+def engine_options(
+    block_size: int, config: dict[str, Any] | None, convert_on: str = "auto"
+) -> dict[str, Any]:
     return {
         "block_size": block_size,
         "kv_connector": "KVTierConnector",
         "kvtier_config": config,
         "device_blocks": 4096 // block_size,
-        "more": {"blocks_per_chunk": 64 // block_size},
+        "more": {"blocks_per_chunk": 64 // block_size, "convert_on": convert_on},
     }
 
 
-def test_a_prompt_stored_by_a_64_token_engine_loads_into_a_32_token_engine(make_engine, tmp_path: Path):
+@pytest.mark.parametrize("convert_on", ["landing", "load"])
+def test_a_prompt_stored_by_a_64_token_engine_loads_into_a_32_token_engine(
+    make_engine, tmp_path: Path, convert_on
+):
+    """``landing``: D's scheduler converts each row as it reaches the host tier (the CPU
+    default); ``load``: D's worker converts it as it copies it into the device cache."""
     shared = lower_tier_config("disk", tmp_path)
     prefill = make_engine(**engine_options(64, shared))
     stored = prefill.generate([DOC])[0]
@@ -46,10 +55,13 @@ def test_a_prompt_stored_by_a_64_token_engine_loads_into_a_32_token_engine(make_
     wait_spilled(prefill, ROWS)
     prefill.close()
 
-    decode = make_engine(**engine_options(32, shared))
+    decode = make_engine(**engine_options(32, shared, convert_on))
     loaded = decode.generate([DOC])[0]
     assert loaded.external_cached_tokens == CACHED, "D must load P's whole prefix"
-    assert decode.kvtier_stats()["loaded_rows_by_tier"] == {"disk": ROWS}
+    stats = decode.kvtier_stats()
+    assert stats["loaded_rows_by_tier"] == {"disk": ROWS}
+    # On landing, the scheduler rewrote every row; on load, none: D's worker did.
+    assert stats["rows_converted_on_landing"] == (ROWS if convert_on == "landing" else 0)
     other = decode.generate([OTHER])[0]
     assert other.external_cached_tokens == 0
     decode.close()
