@@ -247,10 +247,12 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def add(self, prompt: Sequence[int], max_tokens: int = 1) -> str:
+    def add(self, prompt: Sequence[int], max_tokens: int = 1, cache_salt: str | None = None) -> str:
         req_id = f"req-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(req_id, list(prompt), params, None, block_hasher=self._hasher)
+        request = Request(
+            req_id, list(prompt), params, None, cache_salt=cache_salt, block_hasher=self._hasher
+        )
         self.requests[req_id] = RequestRecord(
             list(prompt), block_hashes=[bytes(h) for h in request.block_hashes]
         )

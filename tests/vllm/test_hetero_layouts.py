@@ -183,6 +183,27 @@ def test_token_keys_serve_only_the_rows_before_a_changed_token(make_engine, tmp_
     assert set(range(128, len(LONG))) <= record.computed
 
 
+def test_token_keys_keep_a_cache_salt_apart(make_engine, tmp_path):
+    """A salted prompt's rows are found only by requests with the same salt (vLLM's own
+    keys hold the salt; the token keys must too)."""
+    writer = make_engine(kvtier_config=disk(tmp_path, "writer.toml"), **SMALL_NHD, **TOKEN_KEYS)
+    writer.add([*LONG, 7000], cache_salt="tenant-a")
+    writer.run()
+    assert writer.manager.manager.lower.engine.wait_idle(10)
+    writer.manager.manager.poll()
+    writer.shutdown()
+    writer.shutdown = lambda: None
+    reader = make_engine(kvtier_config=disk(tmp_path, "reader.toml"), **LARGE_HND, **TOKEN_KEYS)
+    other_salt = reader.add([*LONG, 7001], cache_salt="tenant-b")
+    no_salt = reader.add([*LONG, 7002])
+    reader.run()
+    assert reader.requests[other_salt].loaded == [] and reader.requests[no_salt].loaded == []
+    reader.evict_device_cache()
+    same_salt = reader.add([*LONG, 7003], cache_salt="tenant-a")
+    reader.run()
+    assert reader.requests[same_salt].loaded == [(0, len(LONG))]
+
+
 @pytest.fixture
 def peer(tmp_path):
     from tests.tiers.peer_fixtures import start_peers
