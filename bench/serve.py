@@ -395,8 +395,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
     missing = engine_missing()
+    if "--pd" in given:  # a prefill/decode pair instead of the rows (bench.serve_pd)
+        if missing:
+            print(f"kvtier bench serve --pd runs real vLLM engines: {missing}", file=sys.stderr)
+            return 2
+        from bench import serve_pd
+
+        return serve_pd.main([arg for arg in given if arg != "--pd"])
+    args = parse_args(argv)
     if missing:
         print(f"kvtier bench serve runs a real vLLM engine: {missing}", file=sys.stderr)
         return 2

@@ -46,6 +46,8 @@ class EngineSpec:
 
     model_dir: str
     kvtier: dict[str, Any] | None = None  # kv_connector_extra_config; None: vLLM alone
+    # "OffloadingConnector" (vLLM's keys) or "KVTierConnector" (keys by tokens: other block sizes share)
+    kv_connector: str = "OffloadingConnector"
     dtype: str = "auto"  # the model's own (bfloat16); "float32" prefills ~3x faster on CPUs without AVX-512
     block_size: int = 32  # vLLM's CPU attention takes multiples of 32
     device_blocks: int | None = None  # num_gpu_blocks_override: a device cache smaller than the work
@@ -222,8 +224,16 @@ class _Child:
 
         kwargs = spec.llm_kwargs()
         if spec.kvtier is not None:
+            module = (
+                {}
+                if spec.kv_connector == "OffloadingConnector"
+                else {"kv_connector_module_path": "offload.vllm.connector"}
+            )
             kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=spec.kvtier
+                kv_connector=spec.kv_connector,
+                kv_role="kv_both",
+                kv_connector_extra_config=spec.kvtier,
+                **module,
             )
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
@@ -354,6 +364,7 @@ class _Child:
             if manager.lower.tiers:
                 stats["lower"] = dataclasses.asdict(manager.lower.stats)
                 stats["lower_inflight"] = manager.inflight_below()
+                stats["rows_converted_on_landing"] = manager.lower.rows_converted
         return stats
 
     # -- helpers -----------------------------------------------------------------------

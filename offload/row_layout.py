@@ -48,10 +48,15 @@ class GroupRowLayout:
     block_tokens: int
     blocks_per_row: int
     order: str  # NHD or HND
+    # The V half's order where it is not K's (kv == 2): vLLM's CPU attention keeps a head's
+    # K dim-major ([head_dim, tokens]: HND with one "head" per dim) and its V token-major.
+    v_order: str | None = None
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"row order must be one of {ORDERS}, got {self.order!r}")
+        if self.v_order is not None and (self.v_order not in ORDERS or self.kv != 2):
+            raise ValueError(f"v_order {self.v_order!r} needs kv = 2 and one of {ORDERS}")
         if min(self.layers, self.kv, self.heads, self.head_bytes, self.block_tokens, self.blocks_per_row) < 1:
             raise ValueError(f"every dimension of a row layout must be positive: {self}")
 
@@ -73,11 +78,29 @@ class GroupRowLayout:
         ``row`` is 1-d of any element type whose size divides ``head_bytes``; the last dim
         counts those elements.
         """
+        if self.v_order is not None:
+            raise ValueError("K and V halves in other orders have no one token view: use half_granules")
         words = self.head_bytes // row.element_size()
         b, layers, kv, t, h = self.blocks_per_row, self.layers, self.kv, self.block_tokens, self.heads
         if self.order == NHD:
             return row.view(b, layers, kv, t, h, words).permute(1, 2, 0, 3, 4, 5)
         return row.view(b, layers, kv, h, t, words).permute(1, 2, 0, 4, 3, 5)
+
+    def half_granules(self, row: torch.Tensor, index: int, tokens: int) -> list[torch.Tensor]:
+        """``granule`` one K/V half at a time (each in its own order): ``kv`` views of
+        ``[layers, tokens, heads, words]``."""
+        words = self.head_bytes // row.element_size()
+        b, layers, kv, t, h = self.blocks_per_row, self.layers, self.kv, self.block_tokens, self.heads
+        block, start = divmod(index * tokens, t)
+        halves = []
+        for half in range(kv):
+            order = self.v_order if half == 1 and self.v_order is not None else self.order
+            if order == NHD:
+                view = row.view(b, layers, kv, t, h, words)[block, :, half]
+            else:
+                view = row.view(b, layers, kv, h, t, words)[block, :, half].transpose(1, 2)
+            halves.append(view[:, start : start + tokens])
+        return halves
 
     def granule(self, row: torch.Tensor, index: int, tokens: int) -> torch.Tensor:
         """Tokens ``[index * tokens, (index + 1) * tokens)`` of a flat row, as a
@@ -97,7 +120,10 @@ class RowLayout:
 
     def layout_id(self) -> bytes:
         """16 bytes naming this exact layout (the ``layout id`` of a row header)."""
-        text = json.dumps({"v": 1, "dtype": self.dtype, "groups": [asdict(g) for g in self.groups]})
+        groups = [
+            {k: v for k, v in asdict(g).items() if k != "v_order" or v is not None} for g in self.groups
+        ]
+        text = json.dumps({"v": 1, "dtype": self.dtype, "groups": groups})
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
     def logical_description(self) -> str:
@@ -164,12 +190,22 @@ def convert_into(
     if _word_dtype(source.head_bytes, dst) != word:
         word = torch.uint8
     src_words, dst_words = src.view(word), dst.view(word)
+    granule = min(source.block_tokens, target.block_tokens)
+    if source.v_order is not None or target.v_order is not None:  # K and V in other orders
+        for index in range(source.row_tokens // granule):
+            pairs = zip(
+                target.half_granules(dst_words, index, granule),
+                source.half_granules(src_words, index, granule),
+                strict=True,
+            )
+            for dst_half, src_half in pairs:
+                dst_half.copy_(src_half)
+        return
     if src.is_cuda:
         views = _aligned_views(src_words, dst_words, source, target)
         if views is not None:
             views[1].copy_(views[0])
             return
-    granule = min(source.block_tokens, target.block_tokens)
     for index in range(source.row_tokens // granule):
         target.granule(dst_words, index, granule).copy_(source.granule(src_words, index, granule))
 

@@ -150,7 +150,8 @@ class KVTierOffloadingManager(OffloadingManager):
         for key in inner:
             self._pins[key] += 1
             self._load_started.setdefault(key, now)
-        return HostRowsSpec(spec.per_group(self.manager.num_groups))
+        groups = self.manager.num_groups
+        return HostRowsSpec(spec.per_group(groups), spec.layouts_per_group(groups))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.manager.touch([self._in(key) for key in keys])

@@ -15,6 +15,14 @@ kvtier's keys:
   tier. Its host ``capacity`` / ``eviction`` may be left out when the vLLM keys give them;
   given twice with different values, it is an error.
 - ``shm_dir``: where the shared host-tier file lives (default ``/dev/shm``).
+- ``kv_page_split``: where a page keeps K and V apart, for ``offload.vllm.row_layout``:
+  ``"token"`` (each token's K then V: the ``C`` of vLLM's ``[B, H, N, C]`` view, as
+  FlashAttention reads it), ``"cpu"`` (vLLM's CPU attention: a head's K dim-major, then
+  its V) or ``"auto"`` (the default: ``cpu`` on vLLM's CPU platform, else ``token``).
+- ``convert_on``: where rows of another layout are rewritten into the engine's:
+  ``"landing"`` (on the scheduler's tier-engine thread, once, as they reach the host tier),
+  ``"load"`` (by the worker, on its device, as it loads them) or ``"auto"`` (the default:
+  ``landing`` on vLLM's CPU platform, ``load`` elsewhere).
 
 A key that neither vLLM nor kvtier reads is logged once as a warning (vLLM adds keys
 between releases, so it is not an error).
@@ -58,7 +66,10 @@ VLLM_KEYS = frozenset(
 IGNORED_CPU_SPEC_KEYS = frozenset({"store_threshold", "max_tracker_size"})
 """``CPUOffloadingSpec`` keys with no equivalent on the host tier (admission is per lower tier)."""
 
-KVTIER_KEYS = frozenset({"kvtier_config", "shm_dir"})
+KVTIER_KEYS = frozenset({"kvtier_config", "shm_dir", "kv_page_split", "convert_on"})
+
+KV_PAGE_SPLITS = ("auto", "token", "cpu")
+CONVERT_ON = ("auto", "landing", "load")
 
 DEFAULT_SHM_DIR = "/dev/shm"
 
@@ -68,6 +79,8 @@ class SpecSettings:
     tiers: KVTierConfig
     shm_dir: str
     config_source: str  # "inline", the TOML path, or "vLLM keys": for the start-up log line
+    kv_page_split: str = "auto"
+    convert_on: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *, model: str) -> SpecSettings:
@@ -118,7 +131,17 @@ class SpecSettings:
             raise ConfigError(f"kv_connector_extra_config.shm_dir = {shm_dir!r}: expected a directory path")
         if shm_dir == DEFAULT_SHM_DIR and not os.path.isdir(shm_dir):
             shm_dir = tempfile.gettempdir()  # no /dev/shm (macOS): a plain file still maps
-        return cls(tiers, shm_dir, source)
+        split = extra.get("kv_page_split", "auto")
+        if split not in KV_PAGE_SPLITS:
+            raise ConfigError(
+                f"kv_connector_extra_config.kv_page_split = {split!r}: expected one of {KV_PAGE_SPLITS}"
+            )
+        convert_on = extra.get("convert_on", "auto")
+        if convert_on not in CONVERT_ON:
+            raise ConfigError(
+                f"kv_connector_extra_config.convert_on = {convert_on!r}: expected one of {CONVERT_ON}"
+            )
+        return cls(tiers, shm_dir, source, split, convert_on)
 
 
 def _raw_tier_config(value: Any) -> tuple[dict[str, Any], str]:

@@ -28,11 +28,13 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches as VllmCanonicalKVCaches
 from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from offload.row_layout import RowConverter
 from offload.stack import build_manager
 from offload.vllm.canonical import HostLayout, config_fingerprint, to_kvtier_caches
 from offload.vllm.compat import check_vllm_version
 from offload.vllm.manager_adapter import KVTierInfo, KVTierOffloadingManager
 from offload.vllm.metrics import metric_definitions
+from offload.vllm.row_layout import describe_rows, read_model_shape, resolve_convert_on, resolve_page_split
 from offload.vllm.settings import SpecSettings
 from offload.vllm.worker_adapter import KVTierWorker
 from offload.worker import OffloadingWorker
@@ -58,6 +60,17 @@ class KVTierOffloadingSpec(OffloadingSpec):
         # Byte-identical ranks (MLA under TP) share one band: only rank 0 writes it.
         self.replicated_layout = config.replicated_layout
         self.fingerprint = config_fingerprint(config, self.layout)
+        # What the rows' bytes mean, where vLLM's config and the model's say (row_layout.py):
+        # rows of engines with other page orders or packing are then found and converted.
+        self.row_layout, why = describe_rows(
+            config,
+            self.layout,
+            read_model_shape(config.model.name),
+            resolve_page_split(self.settings.kv_page_split),
+        )
+        if self.row_layout is None:
+            log.info("kvtier: rows keyed by the configuration fingerprint only: %s", why)
+        self.convert_on_landing = resolve_convert_on(self.settings.convert_on) == "landing"
         self.shm_path = os.path.join(self.settings.shm_dir, f"kvtier_{config.engine_id}.mmap")
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierWorker | None = None
@@ -85,7 +98,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
             try:
                 manager = build_manager(
-                    settings.tiers, host, fingerprint=self.fingerprint, dtype=self.config.model.dtype
+                    settings.tiers,
+                    host,
+                    fingerprint=self.fingerprint,
+                    dtype=self.config.model.dtype,
+                    converter=self._converter(),
+                    convert_on_landing=self.convert_on_landing,
                 )
             except Exception:
                 host.close(unlink=True)
@@ -100,16 +118,20 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
             log.info(
                 "kvtier: tiers %s (config from %s), %d host rows per group of %d B (%d block(s) per row), "
-                "layout %s, host file %s",
+                "layout %s (%s), host file %s",
                 [tier.kind for tier in settings.tiers.tiers],
                 settings.config_source,
                 host.num_slots,
                 self.layout.row_bytes,
                 self.layout.blocks_per_chunk,
                 self.fingerprint,
+                "described: rows of other layouts convert" if self.row_layout else "fingerprint only",
                 self.shm_path,
             )
         return self._manager
+
+    def _converter(self) -> RowConverter | None:
+        return RowConverter(self.row_layout) if self.row_layout is not None else None
 
     def get_worker(self, kv_caches: VllmCanonicalKVCaches) -> KVTierWorker:
         if self._worker is None:
@@ -141,6 +163,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 blocks_per_row=layout.blocks_per_chunk,
                 host_block_bytes=[layout.sub_row_bytes] * layout.num_groups,
                 host_offset_bytes=[layout.band_offset(rank)] * layout.num_groups,
+                converter=self._converter(),  # rows the scheduler leaves in another layout
             )
             self._worker = KVTierWorker(worker, host)
             log.info(

@@ -25,10 +25,13 @@ log = logging.getLogger(__name__)
 
 
 class HostRowsSpec(LoadStoreSpec):
-    """Host-tier slots, one list per KV group, in the order of the keys they hold."""
+    """Host-tier slots, one list per KV group, in the order of the keys they hold; for a
+    load, ``layouts``: the layout id of each row still in another engine's layout (``None``:
+    ours; all ``None``: the field itself is), which the worker converts as it loads it."""
 
-    def __init__(self, slots: list[list[int]]) -> None:
+    def __init__(self, slots: list[list[int]], layouts: list[list[bytes | None]] | None = None) -> None:
         self.slots = slots
+        self.layouts = layouts
 
     def __repr__(self) -> str:
         return f"HostRowsSpec({self.slots!r})"
@@ -48,7 +51,12 @@ class KVTierWorker(OffloadingWorker):
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
         blocks, first = self._device_blocks(dst_spec)
-        return self.worker.submit_load(job_id, blocks, _slots(src_spec), first_sub_rows=first)
+        layouts = src_spec.layouts if isinstance(src_spec, HostRowsSpec) else None
+        if layouts is None or not any(any(group) for group in layouts):  # all ours: the plain copy
+            return self.worker.submit_load(job_id, blocks, _slots(src_spec), first_sub_rows=first)
+        return self.worker.submit_load(
+            job_id, blocks, _slots(src_spec), first_sub_rows=first, row_layouts=layouts
+        )
 
     def get_finished(self) -> list[TransferResult]:
         return [

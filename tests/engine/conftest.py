@@ -75,13 +75,18 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def make_engine(model_dir: str, shm_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """``make_engine(kvtier_config=..., **spec)``: a started ``EngineProcess``, closed at the end
-    (``model_dir=`` another model's folder)."""
+    (``model_dir=`` another model's folder; ``more``: more ``kv_connector_extra_config`` keys)."""
     from bench.vllm_engine import EngineProcess, EngineSpec
 
     engines: list[EngineProcess] = []
 
     def make(
-        *, kvtier_config: Any = None, cpu_bytes: int = 64 << 20, kvtier: bool = True, **spec: Any
+        *,
+        kvtier_config: Any = None,
+        cpu_bytes: int = 64 << 20,
+        kvtier: bool = True,
+        more: dict[str, Any] | None = None,
+        **spec: Any,
     ) -> EngineProcess:
         extra = None
         if kvtier:
@@ -91,6 +96,7 @@ def make_engine(model_dir: str, shm_dir: Path, tmp_path: Path) -> Iterator[Calla
                 "cpu_bytes_to_use": cpu_bytes,
                 "shm_dir": str(shm_dir),
                 **({"kvtier_config": kvtier_config} if kvtier_config is not None else {}),
+                **(more or {}),
             }
         # One OpenMP thread, whatever vLLM's CPU thread binding would pick on this machine: with
         # two, a prefix computed cold and one read from the device cache gave bit-identical

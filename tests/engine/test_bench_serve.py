@@ -40,3 +40,12 @@ def test_bench_serve_runs_every_row_and_accounts_for_every_prompt_token(tmp_path
         "serve-no-reuse.png",
         "serve-summary.png",
     ]
+
+
+def test_bench_serve_pd_loads_what_the_prefill_engine_stored(capsys):
+    """``kvtier bench serve --pd`` at a small size: D loads every row P stored (another block
+    size: 64-token rows into 32-token blocks) and computes the prompts nobody stored."""
+    assert serve.main(["--pd", "--prompts", "1", "--prompt-tokens", "400"]) == 0
+    printed = capsys.readouterr().out
+    assert "tokens D loaded per stored prompt [384]" in printed  # (400 - 1) // 64 rows of 64
+    assert "D computes it" in printed

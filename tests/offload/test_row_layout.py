@@ -182,3 +182,38 @@ def test_the_one_copy_conversion_of_the_gpu_path_matches_the_granule_copies():
         views[1].copy_(views[0])
         assert torch.equal(by_granules, by_one_copy), (source, target)
     assert _aligned_views(row, row.clone(), replace(layouts[0], block_tokens=3), layouts[1]) is None
+
+
+def cpu_attention_row(k: torch.Tensor, v: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """A row as vLLM's CPU attention pages it: per block and (layer x head), K as
+    ``[dims, tokens]`` then V as ``[tokens, dims]``; ``k``, ``v``: ``[planes, tokens, dims]``."""
+    blocks = []
+    for start in range(0, k.shape[1], block_tokens):
+        part = slice(start, start + block_tokens)
+        blocks.append(torch.stack([k[:, part].transpose(1, 2).flatten(1), v[:, part].flatten(1)], dim=1))
+    return torch.stack(blocks).contiguous().view(torch.uint8).flatten()
+
+
+def test_k_and_v_halves_in_other_orders_convert_between_block_sizes():
+    """The CPU attention layout (K dim-major, V token-major): 64-token rows become rows of two
+    32-token blocks, byte for byte what such an engine would have written."""
+    generator = torch.Generator().manual_seed(5)
+    planes, tokens, dims = 3, 64, 8
+    k = torch.randint(-1000, 1000, (planes, tokens, dims), dtype=torch.int16, generator=generator)
+    v = torch.randint(-1000, 1000, (planes, tokens, dims), dtype=torch.int16, generator=generator)
+    large = GroupRowLayout(planes, 2, dims, 2, 64, 1, HND, v_order=NHD)
+    small = replace(large, block_tokens=32, blocks_per_row=2)
+    row = cpu_attention_row(k, v, 64)
+    convert_row(row, large, small)
+    assert torch.equal(row, cpu_attention_row(k, v, 32))
+    assert not torch.equal(row, cpu_attention_row(k, v, 64)), "the conversion moved bytes"
+    converter = RowConverter(RowLayout((small,), "bfloat16"))
+    assert RowLayout((large,), "bfloat16").layout_id() in converter.readable_ids
+
+
+def test_a_layout_without_v_order_keeps_its_layout_id():
+    """Rows already on disk keep their ids: ``v_order`` is in the digest only where set."""
+    layout = RowLayout((GroupRowLayout(2, 2, 2, 16, 16, 1, NHD),), "float16")
+    assert layout.layout_id().hex() == "535d3894844aface23169f0935a582d0"  # before v_order existed
+    with_v = RowLayout((replace(layout.groups[0], v_order=HND),), "float16")
+    assert with_v.layout_id() != layout.layout_id()

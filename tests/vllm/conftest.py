@@ -32,7 +32,7 @@ def make_engine(model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]
     shm_dir.mkdir()
 
     def make(**options: Any) -> Engine:
-        engine = Engine(model_dir, shm_dir, **options)
+        engine = Engine(options.pop("model_dir", model_dir), shm_dir, **options)
         engines.append(engine)
         return engine
 

@@ -55,6 +55,7 @@ BLOCK_SIZE = 16
 NUM_LAYERS = 4
 SLIDING_WINDOW = 48
 SAMPLED_TOKEN = 7
+HEAD_SIZE = 8
 
 
 class KVTierTinyForCausalLM(nn.Module):
@@ -73,11 +74,12 @@ class KVTierTinyForCausalLM(nn.Module):
         raise NotImplementedError
 
 
-def tiny_model_dir(root: Path) -> Path:
-    """A Hugging Face config for the tiny model (no weights, no tokenizer: none are loaded)."""
+def tiny_model_dir(root: Path, name: str = "tiny-model", kv_heads: int = 2) -> Path:
+    """A Hugging Face config for the tiny model (no weights, no tokenizer: none are loaded).
+    Its KV heads and head size are those of ``Engine``'s layers (the spec reads them here)."""
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, KVTierTinyForCausalLM)
-    path = root / "tiny-model"
+    path = root / name
     path.mkdir(exist_ok=True)
     config = {
         "architectures": [ARCH],
@@ -85,7 +87,8 @@ def tiny_model_dir(root: Path) -> Path:
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": kv_heads,
+        "head_dim": HEAD_SIZE,
         "num_hidden_layers": NUM_LAYERS,
         "vocab_size": 1000,
         "max_position_embeddings": 4096,
@@ -127,18 +130,27 @@ class Engine:
         kvtier_config: Any = None,
         enable_events: bool = False,
         extra: dict[str, Any] | None = None,
+        kv_heads: int = 2,
+        dtype: str = "float16",
+        block_size: int = BLOCK_SIZE,
+        connector: str = "OffloadingConnector",
     ) -> None:
+        """``connector``: ``OffloadingConnector`` (vLLM's, keys are block hashes) or
+        ``KVTierConnector`` (``offload.vllm.connector``: keys are token digests)."""
+        self.block_size = block_size
         extra_config: dict[str, Any] = {
             "spec_name": "KVTierOffloadingSpec",
             "spec_module_path": "offload.vllm",
             "cpu_bytes_to_use": cpu_bytes_to_use,
             "shm_dir": str(shm_dir),
+            # The "model" below writes C bytes per token and head: K and V of a token together.
+            "kv_page_split": "token",
             **({"blocks_per_chunk": blocks_per_chunk} if blocks_per_chunk != 1 else {}),
             **({"kvtier_config": kvtier_config} if kvtier_config is not None else {}),
             **(extra or {}),
         }
-        model_config = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True)
-        cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+        model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True)
+        cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=True)
         cache_config.kv_cache_layout = layout
         config = VllmConfig(
             model_config=model_config,
@@ -150,7 +162,14 @@ class Engine:
             ),
             cache_config=cache_config,
             kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra_config
+                kv_connector=connector,
+                kv_role="kv_both",
+                kv_connector_extra_config=extra_config,
+                **(
+                    {"kv_connector_module_path": "offload.vllm.connector"}
+                    if connector != "OffloadingConnector"
+                    else {}
+                ),
             ),
             device_config=DeviceConfig("cpu"),
         )
@@ -161,18 +180,19 @@ class Engine:
         # vLLM runs hybrid models with one block table per group only on GPU platforms.
         config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
         self.config = config
+        torch_dtype = getattr(torch, dtype)
         self.layer_specs = {
             f"layer{i}": (
                 SlidingWindowSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=2,
-                    head_size=8,
-                    dtype=torch.float16,
+                    block_size=self.block_size,
+                    num_kv_heads=kv_heads,
+                    head_size=HEAD_SIZE,
+                    dtype=torch_dtype,
                     sliding_window=SLIDING_WINDOW,
                 )
                 if hybrid and i % 2
                 else FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16
+                    block_size=self.block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE, dtype=torch_dtype
                 )
             )
             for i in range(NUM_LAYERS)
@@ -189,18 +209,24 @@ class Engine:
             kv_cache_config=kv_cache_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
+            block_size=self.block_size,
         )
-        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        worker_class = OffloadingConnector
+        if connector != "OffloadingConnector":
+            from offload.vllm.connector import KVTierConnector
+
+            worker_class = KVTierConnector
+        self.worker = worker_class(config, KVConnectorRole.WORKER, kv_cache_config)
         with set_current_vllm_config(config):
             self.worker.register_kv_caches(self.kv_caches)
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
         self.connector = connector
         self.manager = connector.connector_scheduler.manager  # type: ignore[union-attr]
+        self.manager = getattr(self.manager, "inner", self.manager)  # KVTierConnector's token keys
         self.spec = self.worker.connector_worker.spec  # type: ignore[union-attr]
         init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._hasher = get_request_block_hasher(self.block_size, sha256)
         self._ids = itertools.count()
         self.requests: dict[str, RequestRecord] = {}
         self.steps = 0
@@ -221,10 +247,12 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def add(self, prompt: Sequence[int], max_tokens: int = 1) -> str:
+    def add(self, prompt: Sequence[int], max_tokens: int = 1, cache_salt: str | None = None) -> str:
         req_id = f"req-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(req_id, list(prompt), params, None, block_hasher=self._hasher)
+        request = Request(
+            req_id, list(prompt), params, None, cache_salt=cache_salt, block_hasher=self._hasher
+        )
         self.requests[req_id] = RequestRecord(
             list(prompt), block_hashes=[bytes(h) for h in request.block_hashes]
         )
@@ -287,7 +315,7 @@ class Engine:
         for position in range(end - count, end):
             record.computed.add(position)
             for group, ids in zip(self.kv_cache_config.kv_cache_groups, block_ids, strict=True):
-                block = ids[position // BLOCK_SIZE]
+                block = ids[position // self.block_size]
                 if block == 0:
                     continue  # outside a sliding window: no block
                 for name in group.layer_names:
@@ -296,7 +324,7 @@ class Engine:
     def _slot(self, name: str, block: int, position: int) -> torch.Tensor:
         """One token's bytes of one layer: ``[heads, bytes]``."""
         view = self.kv_caches[name][block]  # [H, N, C] in the layer's dtype
-        return view[:, position % BLOCK_SIZE].view(torch.int8)
+        return view[:, position % self.block_size].view(torch.int8)
 
     def _expected(self, name: str, position: int, token: int) -> torch.Tensor:
         layer = int(name.removeprefix("layer"))
@@ -319,7 +347,7 @@ class Engine:
         checked = 0
         for group, ids in zip(self.kv_cache_config.kv_cache_groups, block_ids, strict=True):
             for position in range(start, end):
-                index = position // BLOCK_SIZE
+                index = position // self.block_size
                 if index >= len(ids) or ids[index] == 0:
                     continue
                 for name in group.layer_names:

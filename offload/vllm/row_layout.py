@@ -1,0 +1,205 @@
+"""The ``RowLayout`` of the host rows a vLLM engine writes, from what vLLM tells the spec.
+
+vLLM hands its workers byte pages, not shapes, so the layout is put together from three
+sources that the scheduler and every worker process read the same way:
+
+- ``OffloadingConfig``: the groups (their layers and tokens per block), the chunking
+  (``blocks_per_chunk``), the KV cache dtype, the parallel layout, and the resolved
+  ``kv_cache_layout`` name (``LBNHC``, ``BLHNC``, ...: vLLM's RFC #42082 stride orders of
+  the logical ``[L, B, H, N, C]`` cache);
+- the model's ``config.json`` (its KV heads and head size);
+- the host layout (``canonical.HostLayout``): one band per worker per block.
+
+A vLLM page is ``[H, N, C]`` (heads outside tokens: ``HND``) or ``[N, H, C]`` (``NHD``)
+with ``C = (head_size + head_size_v) * itemsize`` bytes. kvtier's canonical row
+concatenates a block's pages in layer order, so packed (``B`` outermost) and per-layer
+(``L`` outermost) layouts give the same row bytes. Where K and V sit inside ``C`` is the
+attention backend's reading (``kv_page_split``, ``settings.py``):
+
+- ``token``: ``C`` is one token's K then its V (FlashAttention's split of the last dim):
+  a row is a ``GroupRowLayout`` with ``kv=1`` and ``head_bytes=C``, and NHD and HND rows,
+  and rows of other block sizes, convert into each other (``offload.row_layout``);
+- ``cpu``: vLLM's CPU attention (its ``vec`` kernels, measured with
+  ``cpu_attn_reshape_and_cache``): a head's ``[N, C]`` is its K stored dim-major
+  (``[D, N]``), then its V token-major (``[N, D]``); a row is
+  ``GroupRowLayout(layers=L*H, kv=2, heads=D, head_bytes=itemsize, order=HND,
+  v_order=NHD)``: rows of other block sizes convert. Its other kernels (``amx``,
+  ``vec16``, ``neon``, ...) pack K otherwise: not described.
+
+The two readings have other logical shapes, so they never share rows.
+
+The description is refused (``None``, with the reason logged) wherever the bytes vLLM
+reports do not equal what that shape predicts: several workers' bands in a row (tensor or
+pipeline parallel), padded pages, MLA or quantised caches, layouts with heads outside the
+block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read. Such engines
+keep the configuration fingerprint and share rows only with identically configured ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from offload.row_layout import HND, NHD, GroupRowLayout, RowLayout
+from offload.vllm.canonical import HostLayout
+
+log = logging.getLogger(__name__)
+
+PAGE_ORDERS = {"LBNHC": NHD, "BLNHC": NHD, "LBHNC": HND, "BLHNC": HND}
+"""vLLM's KV cache layouts whose pages are whole blocks, and the order inside a page."""
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What of the model's attention shapes a KV page: per-layer KV heads and head sizes."""
+
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape | None:
+        """From a Hugging Face ``config.json`` (its ``text_config`` for multimodal models);
+        ``None`` where the keys are missing."""
+        config = config.get("text_config") or config
+        heads = config.get("num_attention_heads")
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim")
+        if not head_dim and heads and config.get("hidden_size"):
+            head_dim = config["hidden_size"] // heads
+        if not isinstance(kv_heads, int) or not isinstance(head_dim, int) or min(kv_heads, head_dim) < 1:
+            return None
+        head_dim_v = config.get("v_head_dim") or head_dim
+        return cls(kv_heads, head_dim, head_dim_v)
+
+
+def read_model_shape(model: str) -> ModelShape | None:
+    """The shape from ``<model>/config.json`` (a local model directory), else from the
+    Hugging Face cache without going online; ``None`` if neither has it."""
+    path = Path(model) / "config.json"
+    try:
+        if path.is_file():
+            return ModelShape.from_hf_config(json.loads(path.read_text()))
+        from transformers import AutoConfig
+
+        return ModelShape.from_hf_config(AutoConfig.from_pretrained(model, local_files_only=True).to_dict())
+    except Exception as exc:  # an unreadable config: the engine keeps its fingerprint
+        log.info(
+            "kvtier: no config.json for %r (%s): rows keyed by the configuration fingerprint", model, exc
+        )
+        return None
+
+
+def resolve_page_split(setting: str) -> str:
+    """``token`` or ``cpu`` for the ``kv_page_split`` setting (``auto``: by vLLM's platform)."""
+    if setting != "auto":
+        return setting
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "token"
+
+
+def resolve_convert_on(setting: str) -> str:
+    """``landing`` or ``load`` for the ``convert_on`` setting (``auto``: landing on vLLM's
+    CPU platform, where the worker's copies share the CPU anyway; load on a GPU, where the
+    worker rewrites a row in device memory, as ``Offloader`` does)."""
+    if setting != "auto":
+        return setting
+    from vllm.platforms import current_platform
+
+    return "landing" if current_platform.is_cpu() else "load"
+
+
+def cpu_attention_isa(dtype: str, block_size: int, head_size: int) -> str | None:
+    """The kernel vLLM's CPU attention picks for these caches (it decides the K packing)."""
+    try:
+        import torch
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(getattr(torch, dtype), block_size, head_size))
+    except Exception as exc:  # another vLLM build: the packing is not known
+        log.info("kvtier: vLLM's CPU attention kernel not known here (%s)", exc)
+        return None
+
+
+def describe_rows(
+    config: OffloadingConfig, host: HostLayout, shape: ModelShape | None, page_split: str = "token"
+) -> tuple[RowLayout | None, str]:
+    """The layout of this engine's host rows, or ``None`` and why it cannot be described.
+    ``page_split``: ``token`` or ``head`` (see the module doc)."""
+    if shape is None:
+        return None, "the model's KV heads and head size are not known (no config.json)"
+    order = PAGE_ORDERS.get(config.kv_cache_layout or "")
+    if order is None:
+        return None, f"vLLM's KV cache layout {config.kv_cache_layout!r} has no NHD/HND page"
+    itemsize = DTYPE_BYTES.get(str(config.model.dtype).removeprefix("torch."))
+    if itemsize is None:
+        return None, f"KV cache dtype {config.model.dtype!r} has no known element size"
+    if host.num_workers != 1:
+        return None, f"{host.num_workers} workers' bands share a row (tensor/pipeline parallel)"
+    if config.parallel.dcp_size > 1 or config.parallel.pcp_size > 1:
+        return None, "context parallel: a block's tokens are split across workers"
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    if page_split == "cpu":
+        if order != HND or shape.head_size != shape.head_size_v:
+            return None, f"vLLM's CPU attention with {config.kv_cache_layout} pages is not known"
+        isas = {cpu_attention_isa(dtype, g.tokens_per_block, shape.head_size) for g in config.groups}
+        if isas != {"vec"}:
+            return None, f"vLLM's CPU attention kernels {sorted(map(str, isas))}: only 'vec' pages are known"
+    head_bytes = (shape.head_size + shape.head_size_v) * itemsize
+    groups = []
+    for group in config.groups:
+        block_tokens = group.tokens_per_block
+        predicted = len(group.layer_names) * shape.num_kv_heads * block_tokens * head_bytes
+        if predicted != host.worker_block_bytes:
+            return None, (
+                f"group {group.group_id}: {len(group.layer_names)} layers x {shape.num_kv_heads} KV heads x "
+                f"{block_tokens} tokens x {head_bytes} B is {predicted} B a block, vLLM reports a "
+                f"{host.worker_block_bytes} B band (padding, MLA or a quantised cache)"
+            )
+        if page_split == "cpu":  # per layer and head: K as [dims, tokens], then V as [tokens, dims]
+            groups.append(
+                GroupRowLayout(
+                    layers=len(group.layer_names) * shape.num_kv_heads,
+                    kv=2,
+                    heads=shape.head_size,
+                    head_bytes=itemsize,
+                    block_tokens=block_tokens,
+                    blocks_per_row=host.blocks_per_chunk,
+                    order=HND,
+                    v_order=NHD,
+                )
+            )
+            continue
+        groups.append(  # [layers, 1, heads, tokens, K and V of a token]
+            GroupRowLayout(
+                layers=len(group.layer_names),
+                kv=1,
+                heads=shape.num_kv_heads,
+                head_bytes=head_bytes,
+                block_tokens=block_tokens,
+                blocks_per_row=host.blocks_per_chunk,
+                order=order,
+            )
+        )
+    return RowLayout(tuple(groups), dtype), "described"
