@@ -17,7 +17,8 @@ onto the other):
   returns ``None`` with nothing changed when that cannot free enough.
   ``complete_store(keys, success)`` makes stored rows readable or frees failed ones.
 - ``take_events()`` drains store / removal events once each, removals first; a key
-  stored and removed between two drains is reported not at all.
+  stored and removed between two drains is reported not at all. ``drop_events()`` drains
+  them unread (nobody publishes them).
 - ``reset()`` forgets every host row unless one is pinned or in flight.
 - ``on_schedule_end()`` ends a scheduler step; a caller must call it once per step
   (``Offloader.poll`` does). A row reported ``HIT`` is kept from eviction until it is
@@ -96,6 +97,11 @@ class Lookup(enum.Enum):
     look it up again later. A caller that cannot wait treats it as a miss."""
 
 
+_HIT, _MISS, _PENDING = Lookup.HIT, Lookup.MISS, Lookup.HIT_PENDING
+"""Module constants for the hot path: ``Lookup.HIT`` is a class attribute lookup through
+the enum's metaclass, ~10x the cost of a global."""
+
+
 @dataclass(frozen=True)
 class HostSlots:
     """Where rows are in the host tier: ``slots[i]`` holds ``keys[i]``."""
@@ -108,11 +114,15 @@ class HostSlots:
 
     def per_group(self, num_groups: int) -> list[list[int]]:
         """Slots split by the group of their key, keeping order within a group."""
+        if num_groups == 1:  # most models: every key is of group 0 (prepare_* checked it)
+            return [self.slots]
         return self._split(self.slots, num_groups)
 
     def layouts_per_group(self, num_groups: int) -> list[list[bytes | None]] | None:
         """``layouts`` split like ``per_group``, or ``None`` when every row is in our layout."""
-        return None if self.layouts is None else self._split(self.layouts, num_groups)
+        if self.layouts is None:
+            return None
+        return [self.layouts] if num_groups == 1 else self._split(self.layouts, num_groups)
 
     def _split(self, values: Sequence, num_groups: int) -> list[list]:
         grouped: list[list] = [[] for _ in range(num_groups)]
@@ -243,7 +253,7 @@ class HostTierManager:
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
-            return Lookup.MISS
+            return _MISS
         if row.ready:
             self.stats.hits += 1
             step_hits = self._step_hits
@@ -251,9 +261,9 @@ class HostTierManager:
                 step_hits[key] = None
                 if len(step_hits) > self._step_hits_max:
                     self._drop_oldest_step_hit()
-            return Lookup.HIT
+            return _HIT
         self.stats.pending += 1
-        return Lookup.HIT_PENDING
+        return _PENDING
 
     def _look_below(self, key: OffloadKey) -> Lookup:
         """A host miss: promote ``key`` from a tier that holds it, else ask the peers about it."""
@@ -440,6 +450,13 @@ class HostTierManager:
             events.append(TierEvent(list(keys), medium, removed=False))
         self._events = _Events()
         return events
+
+    def drop_events(self) -> None:
+        """``take_events`` for a caller that publishes none: drained, without building them."""
+        self.poll()
+        events = self._events
+        if events.removed or events.stored or events.stored_below:
+            self._events = _Events()
 
     def reset(self) -> bool:
         """Forget every host row; refused (``False``, nothing changed) while any is pinned or in flight.
