@@ -452,8 +452,8 @@ class HostTierManager:
         return events
 
     def drop_events(self) -> None:
-        """``take_events`` for a caller that publishes none: drained, without building them."""
-        self.poll()
+        """``take_events`` for a caller that publishes none, right after ``on_schedule_end``
+        (which applied the finished work below): drained, without building them."""
         events = self._events
         if events.removed or events.stored or events.stored_below:
             self._events = _Events()

@@ -47,6 +47,10 @@ _CLASSES = (
 _BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in _CLASSES}
 _ALIASES = {"w-tinylfu": TinyLFUPolicy.name, "cost-aware": CostAwarePolicy.name}
 PREFIX = "prefix:"
+DEFAULT_POLICY = "lru"
+"""The host tier's policy when the configuration names none (``tiers[].eviction``,
+``eviction_policy``): see docs/policies.md for why (``kvtier bench policy``'s scheduler
+table)."""
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:

@@ -69,6 +69,7 @@ _LOOKUP = {
     Lookup.RETRY: LookupResult.RETRY,
 }
 _HIT, _MISS = Lookup.HIT, Lookup.MISS
+_CHUNK_LEVEL = RequestOffloadingContext()
 _MEDIUM = {"host": (Medium.CPU, Locality.LOCAL), "disk": (Medium.STORAGE, Locality.LOCAL)}
 _SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
 _DRAIN_TIMEOUT_S = 10.0
@@ -256,18 +257,19 @@ class KVTierOffloadingManager(OffloadingManager):
     # -- requests and steps ------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        return _CHUNK_LEVEL  # vLLM reads it, never writes it: one for every request
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.manager.on_request_finished(req_context.req_id)  # nothing is held per request
+        """Nothing is held per request (the manager's ``on_request_finished`` is empty too)."""
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._reset_pending:
-            self._retry_reset()
-        if self._flush_pending and not HAS_RESET_FENCE:
-            self._unfenced_steps_left -= 1
-            if self._unfenced_steps_left <= 0:
-                self.on_reset_flushed()
+        if self._gated:
+            if self._reset_pending:
+                self._retry_reset()
+            if self._flush_pending and not HAS_RESET_FENCE:
+                self._unfenced_steps_left -= 1
+                if self._unfenced_steps_left <= 0:
+                    self.on_reset_flushed()
         self.manager.on_schedule_end()  # sends this step's promotions; HITs may be evicted again
         if not self.enable_events:
             self.manager.drop_events()  # nobody publishes them: do not let them pile up
