@@ -45,6 +45,7 @@ from policies.registry import DEFAULT_POLICY
 
 POLICIES = (
     "lru",
+    "adaptive",
     "slru",
     "arc",
     "s3fifo",
@@ -119,9 +120,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--drive-policies",
-        default=f"{DEFAULT_POLICY},lru,arc",
+        default=f"{DEFAULT_POLICY},arc,adaptive",
         help="kvtier policies driven directly and through vLLM's factory, beside vLLM lru/arc "
-        "('all': --policies) (default: the default policy, lru, arc)",
+        "('all': --policies) (default: the default policy, arc, adaptive)",
     )
     parser.add_argument(
         "--drive-traces", default=",".join(DRIVE_TRACES), help="traces of the scheduler table (of --traces)"
