@@ -105,14 +105,17 @@ class AdaptivePolicy(ARCPolicy):
             self._referee(key)
 
     def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
-        super().on_insert_run(keys, parent)  # tail first, into ARC's lists
+        # ARC's ``on_insert_run`` and the recency list's, tail first, in one loop: a run of
+        # new keys (the usual store) only appends to T1 and to the recency list.
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         recency, mask = self._recency, self._mask
         for i in range(len(keys) - 1, -1, -1):
             key = keys[i]
-            if key in recency:
-                recency.move_to_end(key)
-            else:
-                recency[key] = None
+            if key in t1 or key in t2 or key in b1 or key in b2:
+                self.on_insert(key)
+                continue
+            t1[key] = None
+            recency[key] = None
             if not (key[-5] if type(key) is bytes and len(key) > 4 else _sample_byte(key)) & mask:
                 self._referee(key)
 
