@@ -28,6 +28,7 @@ adapter adds what only vLLM needs:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -244,15 +245,11 @@ class KVTierOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         inner = [self._in(key) for key in keys] if self._translate else keys
-        storing = self._storing
-        first = None
-        for key in inner:
-            started = storing.pop(key, None)
-            if started is not None and (first is None or started < first):
-                first = started
+        # Popped in C (map), not in a Python loop: a store is ~17 keys, and every step has one.
+        started = [t for t in map(self._storing.pop, inner, itertools.repeat(None)) if t is not None]
         self.manager.complete_store(inner, success=success)
-        if first is not None and success:
-            self.latency.observe("store", "host", time.monotonic() - first)
+        if started and success:
+            self.latency.observe("store", "host", time.monotonic() - min(started))
 
     # -- requests and steps ------------------------------------------------------------
 
