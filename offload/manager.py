@@ -158,6 +158,7 @@ class _Row:
     readers: int = 0  # copies down in flight (host -> lower tier)
     dirty: bool = False  # must reach a write-back tier before it is evicted
     layout: bytes | None = None  # promoted in another engine's layout: converted on load
+    promoting: bool = False  # not ready because a lower tier is copying it up (not a store)
 
 
 @dataclass
@@ -451,6 +452,14 @@ class HostTierManager:
         self._events = _Events()
         return events
 
+    def held_by_caller(self) -> tuple[dict[OffloadKey, int], list[OffloadKey]]:
+        """What the caller holds now: pins by key (``prepare_load`` not yet completed) and the
+        keys of stores prepared and not completed. O(rows): for a reset, not a hot path (a
+        front end need not mirror them key by key on every call)."""
+        pins = {key: row.pins for key, row in self._rows.items() if row.pins}
+        storing = [key for key, row in self._rows.items() if not row.ready and not row.promoting]
+        return pins, storing
+
     def drop_events(self) -> None:
         """``take_events`` for a caller that publishes none, right after ``on_schedule_end``
         (which applied the finished work below): drained, without building them."""
@@ -624,7 +633,7 @@ class HostTierManager:
         allocated = self._allocators[group].allocate(1)
         assert allocated is not None, "eviction freed too few slots"
         slot = allocated[0]
-        self._rows[key] = _Row(group, slot)
+        self._rows[key] = _Row(group, slot, promoting=True)
         self._policies[group].on_insert(key, self._last_lookup.get(group))
         self._drop_refused(self.lower.promote(tier, key, self._host_row(group, slot)))
         return True

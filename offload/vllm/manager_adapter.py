@@ -28,7 +28,6 @@ adapter adds what only vLLM needs:
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -106,10 +105,11 @@ class KVTierOffloadingManager(OffloadingManager):
         self._to_index = None if identity else {gid: i for i, gid in enumerate(group_ids)}
         self._to_group_id = None if identity else list(group_ids)
         self._translate = not identity  # keys change at the boundary: only when some group is not offloaded
-        # What vLLM may abandon at a reset: pins per key, stores in flight (with start times).
-        self._pins: dict[OffloadKey, int] = {}
+        # Start times of loads and stores in flight, under the first key of each call: what vLLM
+        # may abandon at a reset is asked of the manager then (``held_by_caller``), not mirrored
+        # key by key on every call.
         self._load_started: dict[OffloadKey, float] = {}
-        self._storing: dict[OffloadKey, float] = {}
+        self._store_started: dict[OffloadKey, float] = {}
         # Promoted rows not loaded yet: key -> the kind of the tier they came from.
         self._source: collections.OrderedDict[OffloadKey, str] = collections.OrderedDict()
         self._reset = False  # _reset_pending
@@ -179,15 +179,8 @@ class KVTierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostRowsSpec:
         inner = self._keys_in(keys)
         spec = self.manager.prepare_load(inner)
-        now = time.monotonic()
-        pins, started = self._pins, self._load_started
-        for key in inner:
-            count = pins.get(key)
-            if count is None:
-                pins[key] = 1
-                started[key] = now
-            else:
-                pins[key] = count + 1
+        if inner:
+            self._load_started[inner[0]] = time.monotonic()
         return HostRowsSpec(spec.per_group(self.manager.num_groups))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -196,15 +189,7 @@ class KVTierOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         inner = self._keys_in(keys)
         self.manager.complete_load(inner)
-        started = None
-        pins, load_started = self._pins, self._load_started
-        for key in inner:
-            count = pins.get(key, 0) - 1
-            if count > 0:
-                pins[key] = count
-            else:
-                pins.pop(key, None)
-                started = load_started.pop(key, started)
+        started = _pop_started(self._load_started, inner)
         source = self._source
         if source:  # rows promoted from a lower tier and not loaded yet
             for key in inner:
@@ -226,9 +211,9 @@ class KVTierOffloadingManager(OffloadingManager):
         prepared = self.manager.prepare_store(inner)
         if prepared is None:
             return None
-        now = time.monotonic()
         to_store = prepared.keys_to_store
-        self._storing.update(dict.fromkeys(to_store, now))
+        if to_store:
+            self._store_started[to_store[0]] = time.monotonic()
         source = self._source
         if source:
             for key in to_store:
@@ -245,11 +230,10 @@ class KVTierOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         inner = [self._in(key) for key in keys] if self._translate else keys
-        # Popped in C (map), not in a Python loop: a store is ~17 keys, and every step has one.
-        started = [t for t in map(self._storing.pop, inner, itertools.repeat(None)) if t is not None]
+        started = _pop_started(self._store_started, inner)
         self.manager.complete_store(inner, success=success)
-        if started and success:
-            self.latency.observe("store", "host", time.monotonic() - min(started))
+        if started is not None and success:
+            self.latency.observe("store", "host", time.monotonic() - started)
 
     # -- requests and steps ------------------------------------------------------------
 
@@ -299,16 +283,16 @@ class KVTierOffloadingManager(OffloadingManager):
         manager = self.manager
         # vLLM 0.33 reports when the reset's jobs are flushed (at once when there were none);
         # 0.32 does not: only jobs in flight now, known by their pins and stores, need a flush.
-        self._flush_pending = HAS_RESET_FENCE or bool(self._pins or self._storing)
+        pinned, storing = manager.held_by_caller()
+        self._flush_pending = HAS_RESET_FENCE or bool(pinned or storing)
         self._unfenced_steps_left = UNFENCED_RESET_STEPS
-        for key, pins in self._pins.items():
+        for key, pins in pinned.items():
             for _ in range(pins):
                 manager.complete_load([key])
-        if self._storing:
-            manager.complete_store(list(self._storing), success=False)
-        self._pins.clear()
+        if storing:
+            manager.complete_store(storing, success=False)
         self._load_started.clear()
-        self._storing.clear()
+        self._store_started.clear()
         self._source.clear()
         if not manager.wait_idle(_DRAIN_TIMEOUT_S):
             log.warning("kvtier reset: lower-tier transfers still running after %.0f s", _DRAIN_TIMEOUT_S)
@@ -383,3 +367,12 @@ class KVTierOffloadingManager(OffloadingManager):
             self._source.popitem(last=False)
         for key in outcome.failed:
             log.info("kvtier: promoting %s from the %s tier failed; it is a miss", key.hex(), outcome.tier)
+
+
+def _pop_started(started: dict[OffloadKey, float], keys: Iterable[OffloadKey]) -> float | None:
+    """Forget the start times kept for ``keys`` (one per call, under its first key) and
+    return the earliest. ``keys & started``, a set operation in C: no Python loop per key."""
+    if not started:
+        return None
+    found = started.keys() & keys
+    return min(map(started.pop, found)) if found else None
