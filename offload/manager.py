@@ -59,7 +59,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, repeat
 
 from offload.keys import GROUP_BYTES, OffloadKey, key_group
 from offload.tier_engine import OpKind, OpResult
@@ -365,9 +365,13 @@ class HostTierManager:
         self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey]
     ) -> StorePlan | None:
         """``prepare_store`` with one KV group (most models): no per-key group bookkeeping."""
-        for key in new_keys:
-            if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
-                self._group(key)  # raises the error that names the key
+        # Every key must name group 0: checked by map() in C, key by key only to name a bad one.
+        if new_keys and (
+            min(map(len, new_keys)) <= GROUP_BYTES or not all(map(bytes.endswith, new_keys, repeat(_GROUP_0)))
+        ):
+            for key in new_keys:
+                if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
+                    self._group(key)  # raises the error that names the key
         evicted = self._room_for(new_keys, [len(new_keys)], keys)
         if evicted is None:
             return None
@@ -380,7 +384,9 @@ class HostTierManager:
         if len(new_keys) == len(keys):  # the usual store: every key new, so one run
             if new_keys:
                 policy.on_insert_run(new_keys, None)
-        else:
+        elif (start := _single_run_start(keys, new_keys)) is not None:
+            policy.on_insert_run(new_keys, keys[start - 1])
+        elif new_keys:
             for _, run, parent in _new_runs(keys, dict.fromkeys(new_keys, 0)):
                 policy.on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
@@ -717,6 +723,17 @@ class HostTierManager:
 
 def _nothing_below() -> None:
     """``poll`` of a host-only manager: nothing below to send or apply."""
+
+
+def _single_run_start(keys: Sequence[OffloadKey], new_keys: list[OffloadKey]) -> int | None:
+    """Where ``new_keys`` are one run at the end of ``keys`` (held keys first: vLLM offers a
+    whole prompt when it loaded nothing), its index in ``keys``; else ``None``. What
+    ``_new_runs`` finds then, by list operations in C instead of a Python loop per key
+    (only for ``keys`` without repeats, where its order is theirs)."""
+    start = len(keys) - len(new_keys)
+    if start <= 0 or keys[start:] != new_keys or len(set(keys)) != len(keys):
+        return None
+    return start
 
 
 def _new_runs(
