@@ -1,18 +1,24 @@
 """``kvtier bench policy``: hit ratios of every policy, OPT and vLLM's manager, per trace.
 
-For each trace (four generated ones and the production trace), below one device prefix
-cache: the host tier's hit ratio under every kvtier policy, under vLLM's own
-``CPUOffloadingManager`` with ``lru`` and ``arc`` (where vLLM imports), and Belady's OPT
-for the same capacity; then one two-tier chain (host with the trace's best policy,
-write-back, promotion on hit; disk 4x larger, LRU, seen-twice admission) with per-tier hit
-ratios; then the scheduler-side throughput of kvtier's manager (``offload.manager``)
-beside vLLM's on the same calls (``bench.manager_throughput``).
+For each trace (the four generated families, held-out variants of them no policy was tuned
+on, and the production trace, whole and split in time: ``real-early`` / ``real-late``),
+below one device prefix cache: the host tier's hit ratio under every kvtier policy (the
+trace simulator), under vLLM's own ``CPUOffloadingManager`` with ``lru`` and ``arc`` (where
+vLLM imports), and Belady's OPT for the same capacity; then one two-tier chain (host with
+the trace's best policy, write-back, promotion on hit; disk 4x larger, LRU, seen-twice
+admission) with per-tier hit ratios.
 
-``--host-fractions`` sweeps the host tier's size instead (no chain, no throughput): per
-trace and size, vLLM's managers, the best kvtier policy and OPT, and which targets hold.
-The two targets pull apart as the host grows: a small host leaves every online policy far
-under OPT (which keeps exactly the blocks that come back), a large one holds nearly every
-block that comes back whatever the policy, so no policy gains much over another.
+Then the scheduler table (``bench.policy_drive``): what a vLLM user gets. Per trace and
+host size, each policy of ``--drive-policies`` driven as vLLM's scheduler drives a manager,
+directly and through vLLM's factory (``KVTierOffloadingSpec.get_manager()``), beside vLLM's
+``lru`` and ``arc`` in the same alternated rounds: hit ratio and calls per CPU second, and
+the default policy's targets.
+
+``--host-fractions`` sweeps the host tier's size instead (no chain, no scheduler table):
+per trace and size, vLLM's managers, the best kvtier policy and OPT, and which targets
+hold. The two targets pull apart as the host grows: a small host leaves every online policy
+far under OPT (which keeps exactly the blocks that come back), a large one holds nearly
+every block that comes back whatever the policy, so no policy gains much over another.
 
 Sizes are fractions of each trace's distinct blocks, the same rule for every trace:
 device 2%, host 10% (``--device-fraction``, ``--host-fraction``), disk 4x the host.
@@ -31,12 +37,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.policy_drive import drive_targets, print_drive, print_drive_targets, run_drive
 from bench.report import write_json
 from bench.simulate import SimResult, TierSpec, device_prefix_hits, opt_hits, simulate
-from bench.traces import GENERATORS, REAL_TRACE, Request, generate, load_jsonl, trace_stats
+from bench.traces import REAL_TRACE, Request, generate, load_jsonl, split_in_time, trace_names, trace_stats
+from policies.registry import DEFAULT_POLICY
 
 POLICIES = (
     "lru",
+    "adaptive",
     "slru",
     "arc",
     "s3fifo",
@@ -55,7 +64,10 @@ VLLM_POLICIES = ("lru", "arc")
 TARGET_TRACES = ("agentic", "multi-turn", "real")
 TARGET_GAIN = 0.10  # best kvtier >= vLLM arc * 1.10
 TARGET_OPT_GAP = 0.05  # best kvtier >= OPT * 0.95
-TARGET_SPEEDUP = 2.0  # kvtier manager calls/s >= 2x vLLM's
+REAL_TRACES = ("real", "real-early", "real-late")
+"""The production trace whole, and split in time (``bench.traces.split_in_time``)."""
+DRIVE_TRACES = ("long-doc-qa", "multi-turn", "agentic", "real", "real-late")
+DRIVE_HOST_FRACTIONS = "0.05,0.1,0.2"
 
 
 @dataclass
@@ -88,8 +100,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--real-trace", default=str(REAL_TRACE), help="JSONL trace to replay as 'real'")
     parser.add_argument(
         "--traces",
-        default=",".join([*GENERATORS, "real"]),
-        help="comma-separated traces: generated names and/or 'real' (default: all)",
+        default=",".join([*trace_names(), *REAL_TRACES]),
+        help="comma-separated traces: generated names (the families, then held-out variants) and/or "
+        "'real', 'real-early', 'real-late' (the production trace split in time) (default: all)",
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated kvtier policies")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated traces")
@@ -102,10 +115,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "per size; no chain, no throughput run)",
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager even if it imports")
-    parser.add_argument("--no-throughput", action="store_true", help="skip the manager throughput run")
+    parser.add_argument(
+        "--no-throughput", action="store_true", help="skip the scheduler table (driven as vLLM drives it)"
+    )
+    parser.add_argument(
+        "--drive-policies",
+        default=f"{DEFAULT_POLICY},arc,adaptive",
+        help="kvtier policies driven directly and through vLLM's factory, beside vLLM lru/arc "
+        "('all': --policies) (default: the default policy, arc, adaptive)",
+    )
+    parser.add_argument(
+        "--drive-traces", default=",".join(DRIVE_TRACES), help="traces of the scheduler table (of --traces)"
+    )
+    parser.add_argument(
+        "--drive-host-fractions",
+        default=DRIVE_HOST_FRACTIONS,
+        help=f"host sizes of the scheduler table (default {DRIVE_HOST_FRACTIONS})",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once (processes)")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="throughput rounds, kvtier and vLLM alternated (best counts)"
+        "--rounds", type=int, default=3, help="scheduler-table rounds, every manager alternated (best counts)"
     )
     args = parser.parse_args(argv)
     if not 0.0 < args.trace_fraction <= 1.0:
@@ -125,17 +154,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    unknown = [t for t in args.traces.split(",") if t not in GENERATORS and t != "real"]
+    known = [*trace_names(), *REAL_TRACES]
+    unknown = [t for t in args.traces.split(",") if t not in known]
     if unknown:
-        parser.error(f"unknown traces {unknown}: choose from {[*GENERATORS, 'real']}")
+        parser.error(f"unknown traces {unknown}: choose from {known}")
+    try:
+        args.drive_fractions = sorted({float(f) for f in args.drive_host_fractions.split(",") if f.strip()})
+    except ValueError:
+        parser.error(
+            f"--drive-host-fractions must be comma-separated numbers, got {args.drive_host_fractions!r}"
+        )
+    if not args.drive_fractions or not all(0.0 < f < 1.0 for f in args.drive_fractions):
+        parser.error(f"--drive-host-fractions must be in (0, 1), got {args.drive_host_fractions!r}")
     return args
 
 
 def load_traces(args: argparse.Namespace) -> dict[str, list[Request]]:
     traces: dict[str, list[Request]] = {}
+    real: list[Request] | None = None
     for name in args.traces.split(","):
-        if name == "real":
-            traces[name] = load_jsonl(args.real_trace, args.trace_fraction)
+        if name in REAL_TRACES:
+            if real is None:
+                real = load_jsonl(args.real_trace, args.trace_fraction)
+            early, late = split_in_time(real)
+            traces[name] = {"real": real, "real-early": early, "real-late": late}[name]
         else:
             traces[name] = generate(name, seed=args.seed)
     return traces
@@ -224,37 +266,6 @@ def run_sweep(
             done = []
 
 
-def run_throughput(trace: list[Request], args: argparse.Namespace, best: str, vllm: bool) -> dict[str, Any]:
-    """Calls/s of kvtier's manager with lru, arc and ``best``; vLLM's with lru and arc,
-    alternated round by round with kvtier's on the same policy (``manager_throughput.compare``)."""
-    from bench.manager_throughput import Throughput, compare, kvtier_throughput
-
-    def figures(t: Throughput) -> dict[str, float]:
-        return {"calls_per_s": t.calls_per_s, "keys_per_s": t.keys_per_s, "calls": t.calls}
-
-    stats = trace_stats(trace)
-    host = max(1, round(stats["distinct"] * args.host_fraction))
-    device_hits = device_prefix_hits(trace, max(1, round(stats["distinct"] * args.device_fraction)))
-    out: dict[str, Any] = {
-        "host_blocks": host,
-        "rounds": args.rounds,
-        "kvtier": {},
-        "vllm": {},
-        "round_ratios": {},
-    }
-    for policy in dict.fromkeys(("lru", "arc", best)):
-        if vllm and policy in VLLM_POLICIES:
-            both = compare(trace, device_hits, host, policy, rounds=args.rounds)
-            out["kvtier"][policy] = figures(both.kvtier)
-            out["vllm"][policy] = figures(both.vllm)
-            out["round_ratios"][policy] = both.round_ratios
-        else:
-            out["kvtier"][policy] = figures(
-                kvtier_throughput(trace, device_hits, host, policy, repeat=args.rounds)
-            )
-    return out
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:6.2f}%"
 
@@ -324,7 +335,7 @@ def print_sweep(name: str, reports: Sequence[TraceReport], note: str) -> None:
 def sweep_targets(sweep: dict[str, list[TraceReport]], fractions: Sequence[float]) -> dict[str, Any]:
     """``targets`` at each host fraction of the sweep, keyed by the fraction."""
     return {
-        f"{fraction:g}": targets({name: reports[i] for name, reports in sweep.items()}, None)
+        f"{fraction:g}": targets({name: reports[i] for name, reports in sweep.items()})
         for i, fraction in enumerate(fractions)
     }
 
@@ -355,28 +366,8 @@ def print_sweep_targets(by_fraction: dict[str, Any]) -> None:
         print(line + f"OPT-5% {where('within_5pct_of_opt')}")
 
 
-def print_throughput(name: str, throughput: dict[str, Any]) -> None:
-    print(
-        f"\n== manager throughput on '{name}': lookup + prepare_store + complete_store + touch, "
-        f"host {throughput['host_blocks']:,} blocks, best of {throughput['rounds']} rounds "
-        "(kvtier and vLLM alternated)"
-    )
-    print("   kvtier: offload.manager.HostTierManager; vLLM: CPUOffloadingManager")
-    for policy, ours in throughput["kvtier"].items():
-        rates = f"{ours['calls_per_s']:>10,.0f} calls/s {ours['keys_per_s']:>11,.0f} keys/s"
-        line = f"   kvtier {policy:<14}{rates}"
-        theirs = throughput["vllm"].get(policy)
-        if theirs:
-            ratio = ours["calls_per_s"] / theirs["calls_per_s"]
-            line += f"   vLLM {policy}: {theirs['calls_per_s']:>9,.0f} calls/s  ratio {ratio:.2f}x"
-            rounds = throughput["round_ratios"].get(policy)
-            if rounds:
-                line += f" (rounds {min(rounds):.2f}-{max(rounds):.2f}x)"
-        print(line)
-
-
 def print_targets(summary: dict[str, Any]) -> None:
-    print("\n== targets (best kvtier >= vLLM arc +10%, within 5% of OPT; manager >= 2x vLLM)")
+    print("\n== targets (best kvtier >= vLLM arc +10%, within 5% of OPT)")
     for name, entry in summary.items():
         if not isinstance(entry, dict) or "best" not in entry:
             continue
@@ -387,13 +378,9 @@ def print_targets(summary: dict[str, Any]) -> None:
             line += "  [+10%: " + ("met" if entry["beats_vllm_arc_by_10pct"] else "NOT met") + "]"
         line += "  [OPT-5%: " + ("met" if entry["within_5pct_of_opt"] else "NOT met") + "]"
         print(line)
-    if "throughput_ratio" in summary:
-        ratios = ", ".join(f"{p} {r:.2f}x" for p, r in summary["throughput_ratio"].items())
-        verdict = "met" if summary["throughput_2x"] else "NOT met"
-        print(f"   manager throughput vs vLLM: {ratios}  [2x: {verdict}]")
 
 
-def targets(reports: dict[str, TraceReport], throughput: dict[str, Any] | None) -> dict[str, Any]:
+def targets(reports: dict[str, TraceReport]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in TARGET_TRACES:
         report = reports.get(name)
@@ -410,14 +397,6 @@ def targets(reports: dict[str, TraceReport], throughput: dict[str, Any] | None) 
             # No policy beats OPT: where OPT itself misses the gain, the target is out of reach.
             entry["gain_beyond_opt"] = report.opt < (1 + TARGET_GAIN) * report.vllm["arc"]
         out[name] = entry
-    if throughput and throughput.get("vllm"):
-        ratios = {}
-        for policy, figures in throughput["vllm"].items():
-            ours = throughput["kvtier"].get(policy)
-            if ours:
-                ratios[policy] = ours["calls_per_s"] / figures["calls_per_s"]
-        out["throughput_ratio"] = ratios
-        out["throughput_2x"] = bool(ratios) and all(r >= TARGET_SPEEDUP for r in ratios.values())
     return out
 
 
@@ -433,7 +412,7 @@ def sweep_main(
     sweep: dict[str, list[TraceReport]] = {}
     for name, trace_reports in run_sweep(traces, args, policies, vllm_version is not None):
         sweep[name] = trace_reports
-        print_sweep(name, trace_reports, fraction_note if name == "real" else f" (seed {args.seed})")
+        print_sweep(name, trace_reports, fraction_note if name in REAL_TRACES else f" (seed {args.seed})")
     by_fraction = sweep_targets(sweep, args.sweep)
     print_sweep_targets(by_fraction)
     if args.json:
@@ -462,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM: {vllm_version or 'not importable: vLLM columns skipped'}")
     traces = load_traces(args)
     fraction_note = ""
-    if "real" in traces:
+    if any(name in traces for name in REAL_TRACES):
         note = f"{args.trace_fraction:g} of the requests" if args.trace_fraction < 1 else "all requests"
         print(f"real trace: {args.real_trace} ({note})")
         fraction_note = f" ({args.trace_fraction:g} of its requests)" if args.trace_fraction < 1 else ""
@@ -474,19 +453,41 @@ def main(argv: list[str] | None = None) -> int:
     jobs: list[Job] = [(name, trace, args, policies, vllm, True) for name, trace in traces.items()]
     for report in _replay_all(jobs, args.jobs):
         reports[report.name] = report
-        print_trace(report, fraction_note if report.name == "real" else f" (seed {args.seed})", flush=True)
-    throughput = None
-    if not args.no_throughput:
-        name = "real" if "real" in traces else next(iter(traces))
-        best = reports[name].best()[0]
-        throughput = run_throughput(traces[name], args, best, vllm=vllm)
-        print_throughput(name, throughput)
-    summary = targets(reports, throughput)
+        print_trace(
+            report, fraction_note if report.name in REAL_TRACES else f" (seed {args.seed})", flush=True
+        )
+    summary = targets(reports)
     print_targets(summary)
+    drive: dict[str, list[dict[str, Any]]] = {}
+    drive_summary = None
+    if not args.no_throughput:
+        drive_policies = (
+            policies if args.drive_policies == "all" else list(dict.fromkeys(args.drive_policies.split(",")))
+        )
+        for name in [t for t in args.drive_traces.split(",") if t in traces]:
+            for fraction in args.drive_fractions:
+                figures = run_drive(
+                    traces[name],
+                    drive_policies,
+                    host_fraction=fraction,
+                    device_fraction=args.device_fraction,
+                    rounds=args.rounds,
+                    vllm=vllm,
+                )
+                drive.setdefault(name, []).append(figures)
+                print_drive(name, figures, drive_policies)
+        drive_summary = drive_targets(drive, DEFAULT_POLICY)
+        print_drive_targets(drive_summary, DEFAULT_POLICY)
     if args.json:
         traces_figures = {name: r.__dict__ for name, r in reports.items()}
         _write_figures(
-            args, command.strip(), vllm_version, traces=traces_figures, throughput=throughput, targets=summary
+            args,
+            command.strip(),
+            vllm_version,
+            traces=traces_figures,
+            targets=summary,
+            drive=drive,
+            drive_targets=drive_summary,
         )
     return 0
 

@@ -216,13 +216,52 @@ GENERATORS: dict[str, Callable[..., list[Request]]] = {
 }
 
 
+HELD_OUT: dict[str, tuple[Callable[..., list[Request]], dict[str, object]]] = {
+    "multi-turn-quick": (multi_turn, {"think_median_ms": 15_000.0, "system_blocks": 4}),
+    "long-doc-qa-wide": (long_doc_qa, {"documents": 120, "zipf_s": 0.8, "mean_burst": 2.0}),
+    "agentic-branchy": (agentic, {"tasks": 300, "branch_probability": 0.4, "steps_median": 6.0}),
+    "scan-mix-heavy": (scan_mix, {"scan_probability": 0.25, "hot_prefixes": 1_500}),
+}
+"""Variants of the four families with other parameters (faster chats under a longer system
+prompt, many documents read in short bursts, agents that branch more, more scans over more
+hot prefixes): shapes users run that no policy here was tuned on. A policy is judged on
+these, not only on the traces its parameters were chosen on."""
+
+
+def trace_names() -> list[str]:
+    """Every generated trace ``generate`` knows: the four families, then the held-out variants."""
+    return [*GENERATORS, *HELD_OUT]
+
+
 def generate(name: str, seed: int = 0) -> list[Request]:
-    """A generated trace by name (see ``GENERATORS``)."""
+    """A generated trace by name (see ``GENERATORS`` and ``HELD_OUT``)."""
+    if name in HELD_OUT:
+        generator, params = HELD_OUT[name]
+        return generator(seed=seed, **params)
     try:
         generator = GENERATORS[name]
     except KeyError:
-        raise ValueError(f"unknown trace {name!r}: choose one of {sorted(GENERATORS)}") from None
+        raise ValueError(f"unknown trace {name!r}: choose one of {trace_names()}") from None
     return generator(seed=seed)
+
+
+REAL_SPLIT = 0.5
+"""Where the production trace is cut in time: ``real-early`` before, ``real-late`` after."""
+
+
+def split_in_time(requests: list[Request], at: float = REAL_SPLIT) -> tuple[list[Request], list[Request]]:
+    """The requests before and after the fraction ``at`` of the trace's time span.
+
+    A policy tuned on the first part and judged on the second is judged on requests it has
+    not seen: the late part starts cold (its conversations began earlier), as a restarted
+    engine would.
+    """
+    if not requests:
+        return [], []
+    first, last = requests[0].timestamp, requests[-1].timestamp
+    cut = first + at * (last - first)
+    early = [r for r in requests if r.timestamp < cut]
+    return early, requests[len(early) :]
 
 
 def iter_jsonl(path: str | Path) -> Iterator[Request]:

@@ -17,7 +17,8 @@ onto the other):
   returns ``None`` with nothing changed when that cannot free enough.
   ``complete_store(keys, success)`` makes stored rows readable or frees failed ones.
 - ``take_events()`` drains store / removal events once each, removals first; a key
-  stored and removed between two drains is reported not at all.
+  stored and removed between two drains is reported not at all. ``drop_events()`` drains
+  them unread (nobody publishes them).
 - ``reset()`` forgets every host row unless one is pinned or in flight.
 - ``on_schedule_end()`` ends a scheduler step; a caller must call it once per step
   (``Offloader.poll`` does). A row reported ``HIT`` is kept from eviction until it is
@@ -58,7 +59,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, repeat
 
 from offload.keys import GROUP_BYTES, OffloadKey, key_group
 from offload.tier_engine import OpKind, OpResult
@@ -96,6 +97,11 @@ class Lookup(enum.Enum):
     look it up again later. A caller that cannot wait treats it as a miss."""
 
 
+_HIT, _MISS, _PENDING = Lookup.HIT, Lookup.MISS, Lookup.HIT_PENDING
+"""Module constants for the hot path: ``Lookup.HIT`` is a class attribute lookup through
+the enum's metaclass, ~10x the cost of a global."""
+
+
 @dataclass(frozen=True)
 class HostSlots:
     """Where rows are in the host tier: ``slots[i]`` holds ``keys[i]``."""
@@ -108,11 +114,15 @@ class HostSlots:
 
     def per_group(self, num_groups: int) -> list[list[int]]:
         """Slots split by the group of their key, keeping order within a group."""
+        if num_groups == 1:  # most models: every key is of group 0 (prepare_* checked it)
+            return [self.slots]
         return self._split(self.slots, num_groups)
 
     def layouts_per_group(self, num_groups: int) -> list[list[bytes | None]] | None:
         """``layouts`` split like ``per_group``, or ``None`` when every row is in our layout."""
-        return None if self.layouts is None else self._split(self.layouts, num_groups)
+        if self.layouts is None:
+            return None
+        return [self.layouts] if num_groups == 1 else self._split(self.layouts, num_groups)
 
     def _split(self, values: Sequence, num_groups: int) -> list[list]:
         grouped: list[list] = [[] for _ in range(num_groups)]
@@ -148,6 +158,7 @@ class _Row:
     readers: int = 0  # copies down in flight (host -> lower tier)
     dirty: bool = False  # must reach a write-back tier before it is evicted
     layout: bytes | None = None  # promoted in another engine's layout: converted on load
+    promoting: bool = False  # not ready because a lower tier is copying it up (not a store)
 
 
 @dataclass
@@ -243,7 +254,7 @@ class HostTierManager:
         self.stats.lookups += 1
         row = self._rows.get(key)
         if row is None:
-            return Lookup.MISS
+            return _MISS
         if row.ready:
             self.stats.hits += 1
             step_hits = self._step_hits
@@ -251,9 +262,9 @@ class HostTierManager:
                 step_hits[key] = None
                 if len(step_hits) > self._step_hits_max:
                     self._drop_oldest_step_hit()
-            return Lookup.HIT
+            return _HIT
         self.stats.pending += 1
-        return Lookup.HIT_PENDING
+        return _PENDING
 
     def _look_below(self, key: OffloadKey) -> Lookup:
         """A host miss: promote ``key`` from a tier that holds it, else ask the peers about it."""
@@ -354,9 +365,13 @@ class HostTierManager:
         self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey]
     ) -> StorePlan | None:
         """``prepare_store`` with one KV group (most models): no per-key group bookkeeping."""
-        for key in new_keys:
-            if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
-                self._group(key)  # raises the error that names the key
+        # Every key must name group 0: checked by map() in C, key by key only to name a bad one.
+        if new_keys and (
+            min(map(len, new_keys)) <= GROUP_BYTES or not all(map(bytes.endswith, new_keys, repeat(_GROUP_0)))
+        ):
+            for key in new_keys:
+                if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
+                    self._group(key)  # raises the error that names the key
         evicted = self._room_for(new_keys, [len(new_keys)], keys)
         if evicted is None:
             return None
@@ -369,7 +384,9 @@ class HostTierManager:
         if len(new_keys) == len(keys):  # the usual store: every key new, so one run
             if new_keys:
                 policy.on_insert_run(new_keys, None)
-        else:
+        elif (start := _single_run_start(keys, new_keys)) is not None:
+            policy.on_insert_run(new_keys, keys[start - 1])
+        elif new_keys:
             for _, run, parent in _new_runs(keys, dict.fromkeys(new_keys, 0)):
                 policy.on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
@@ -440,6 +457,21 @@ class HostTierManager:
             events.append(TierEvent(list(keys), medium, removed=False))
         self._events = _Events()
         return events
+
+    def held_by_caller(self) -> tuple[dict[OffloadKey, int], list[OffloadKey]]:
+        """What the caller holds now: pins by key (``prepare_load`` not yet completed) and the
+        keys of stores prepared and not completed. O(rows): for a reset, not a hot path (a
+        front end need not mirror them key by key on every call)."""
+        pins = {key: row.pins for key, row in self._rows.items() if row.pins}
+        storing = [key for key, row in self._rows.items() if not row.ready and not row.promoting]
+        return pins, storing
+
+    def drop_events(self) -> None:
+        """``take_events`` for a caller that publishes none, right after ``on_schedule_end``
+        (which applied the finished work below): drained, without building them."""
+        events = self._events
+        if events.removed or events.stored or events.stored_below:
+            self._events = _Events()
 
     def reset(self) -> bool:
         """Forget every host row; refused (``False``, nothing changed) while any is pinned or in flight.
@@ -607,7 +639,7 @@ class HostTierManager:
         allocated = self._allocators[group].allocate(1)
         assert allocated is not None, "eviction freed too few slots"
         slot = allocated[0]
-        self._rows[key] = _Row(group, slot)
+        self._rows[key] = _Row(group, slot, promoting=True)
         self._policies[group].on_insert(key, self._last_lookup.get(group))
         self._drop_refused(self.lower.promote(tier, key, self._host_row(group, slot)))
         return True
@@ -691,6 +723,17 @@ class HostTierManager:
 
 def _nothing_below() -> None:
     """``poll`` of a host-only manager: nothing below to send or apply."""
+
+
+def _single_run_start(keys: Sequence[OffloadKey], new_keys: list[OffloadKey]) -> int | None:
+    """Where ``new_keys`` are one run at the end of ``keys`` (held keys first: vLLM offers a
+    whole prompt when it loaded nothing), its index in ``keys``; else ``None``. What
+    ``_new_runs`` finds then, by list operations in C instead of a Python loop per key
+    (only for ``keys`` without repeats, where its order is theirs)."""
+    start = len(keys) - len(new_keys)
+    if start <= 0 or keys[start:] != new_keys or len(set(keys)) != len(keys):
+        return None
+    return start
 
 
 def _new_runs(

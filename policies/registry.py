@@ -4,7 +4,8 @@
 alpha=0.5)``. Every failure is a ``ValueError`` that names the policy and what is wrong, so
 the configuration layer can report the key and value at fault.
 
-Built-in names: ``lru``, ``slru``, ``arc``, ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
+Built-in names: ``lru``, ``adaptive`` (LRU or ARC, whichever sampled shadows of both
+say is winning now), ``slru``, ``arc``, ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
 ``tinylfu-adaptive`` (its window sized by hill climbing, as in Caffeine), ``cost`` (alias
 ``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself), ``hazard`` (hit
 density learned from the whole key stream, ghosts included; prefix-aware by itself). Any
@@ -21,6 +22,7 @@ import importlib
 import inspect
 from typing import Any
 
+from policies.adaptive import AdaptivePolicy
 from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
 from policies.arc import ARCPolicy
 from policies.base import EvictionPolicy
@@ -35,6 +37,7 @@ from policies.tinylfu import TinyLFUPolicy
 
 _CLASSES = (
     LRUPolicy,
+    AdaptivePolicy,
     SLRUPolicy,
     ARCPolicy,
     S3FIFOPolicy,
@@ -47,6 +50,10 @@ _CLASSES = (
 _BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in _CLASSES}
 _ALIASES = {"w-tinylfu": TinyLFUPolicy.name, "cost-aware": CostAwarePolicy.name}
 PREFIX = "prefix:"
+DEFAULT_POLICY = "lru"
+"""The host tier's policy when the configuration names none (``tiers[].eviction``,
+``eviction_policy``): see docs/policies.md for why (``kvtier bench policy``'s scheduler
+table)."""
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:

@@ -68,6 +68,8 @@ _LOOKUP = {
     # rest of its prefix, so every key of it is asked in the same round trip.
     Lookup.RETRY: LookupResult.RETRY,
 }
+_HIT, _MISS = Lookup.HIT, Lookup.MISS
+_CHUNK_LEVEL = RequestOffloadingContext()
 _MEDIUM = {"host": (Medium.CPU, Locality.LOCAL), "disk": (Medium.STORAGE, Locality.LOCAL)}
 _SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
 _DRAIN_TIMEOUT_S = 10.0
@@ -102,14 +104,17 @@ class KVTierOffloadingManager(OffloadingManager):
         identity = list(group_ids) == list(range(len(group_ids)))
         self._to_index = None if identity else {gid: i for i, gid in enumerate(group_ids)}
         self._to_group_id = None if identity else list(group_ids)
-        # What vLLM may abandon at a reset: pins per key, stores in flight (with start times).
-        self._pins: collections.Counter[OffloadKey] = collections.Counter()
+        self._translate = not identity  # keys change at the boundary: only when some group is not offloaded
+        # Start times of loads and stores in flight, under the first key of each call: what vLLM
+        # may abandon at a reset is asked of the manager then (``held_by_caller``), not mirrored
+        # key by key on every call.
         self._load_started: dict[OffloadKey, float] = {}
-        self._storing: dict[OffloadKey, float] = {}
+        self._store_started: dict[OffloadKey, float] = {}
         # Promoted rows not loaded yet: key -> the kind of the tier they came from.
         self._source: collections.OrderedDict[OffloadKey, str] = collections.OrderedDict()
-        self._reset_pending = False
-        self._flush_pending = False
+        self._reset = False  # _reset_pending
+        self._flush = False  # _flush_pending
+        self._gated = False  # either: lookups take the slow path
         self._unfenced_steps_left = 0  # vLLM 0.32: schedule ends until a reset's flush is deemed done
         self.latency = LatencyRecorder()
         # Rows loaded into vLLM's device cache, by the tier they were found in (host: already there).
@@ -127,45 +132,71 @@ class KVTierOffloadingManager(OffloadingManager):
     def lock(self) -> Any:
         return self.manager.lock
 
+    @property
+    def _reset_pending(self) -> bool:
+        """A reset waits for rows still pinned or in flight: until it is done lookups miss."""
+        return self._reset
+
+    @_reset_pending.setter
+    def _reset_pending(self, value: bool) -> None:
+        self._reset = value
+        self._gated = value or self._flush
+
+    @property
+    def _flush_pending(self) -> bool:
+        """vLLM has not reported a reset's jobs flushed: no promotion may start."""
+        return self._flush
+
+    @_flush_pending.setter
+    def _flush_pending(self, value: bool) -> None:
+        self._flush = value
+        self._gated = value or self._reset
+
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        key = self._in(key)
+        if self._translate:
+            key = self._in(key)
         manager = self.manager
-        if self._reset_pending and not self._retry_reset():
-            return self._miss()
-        if self._flush_pending:
-            manager.apply_finished()  # a failed promotion frees its row: then it is not present
-            if not manager.contains(key):
-                return self._miss()  # no promotion may start until the reset's jobs are flushed
-        return _LOOKUP[manager.lookup(key)]
+        if self._gated:  # a reset pending or its jobs not yet flushed: rarely
+            if self._reset_pending and not self._retry_reset():
+                return self._miss()
+            if self._flush_pending:
+                manager.apply_finished()  # a failed promotion frees its row: then it is not present
+                if not manager.contains(key):
+                    return self._miss()  # no promotion may start until the reset's jobs are flushed
+        found = manager.lookup(key)
+        # Identity tests, not _LOOKUP[found]: an Enum hashes in Python, a call per lookup.
+        if found is _HIT:
+            return LookupResult.HIT
+        if found is _MISS:
+            return LookupResult.MISS
+        return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return _SOURCE.get(self._source.get(self._in(key), "host"), CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostRowsSpec:
-        inner = [self._in(key) for key in keys]
+        inner = self._keys_in(keys)
         spec = self.manager.prepare_load(inner)
-        now = time.monotonic()
-        for key in inner:
-            self._pins[key] += 1
-            self._load_started.setdefault(key, now)
+        if inner:
+            self._load_started[inner[0]] = time.monotonic()
         groups = self.manager.num_groups
         return HostRowsSpec(spec.per_group(groups), spec.layouts_per_group(groups))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.touch([self._in(key) for key in keys])
+        self.manager.touch(self._keys_in(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        inner = [self._in(key) for key in keys]
+        inner = self._keys_in(keys)
         self.manager.complete_load(inner)
-        started = None
-        for key in inner:
-            self._pins[key] -= 1
-            if self._pins[key] <= 0:
-                del self._pins[key]
-                started = self._load_started.pop(key, started)
-            self.loads_by_tier[self._source.pop(key, "host")] += 1
+        started = _pop_started(self._load_started, inner)
+        source = self._source
+        if source:  # rows promoted from a lower tier and not loaded yet
+            for key in inner:
+                self.loads_by_tier[source.pop(key, "host")] += 1
+        else:
+            self.loads_by_tier["host"] += len(inner)
         if started is not None:
             self.latency.observe("load", "host", time.monotonic() - started)
 
@@ -176,48 +207,54 @@ class KVTierOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         if self._reset_pending and not self._retry_reset():
             return None
-        inner = [self._in(key) for key in keys]
+        translate = self._translate
+        inner = self._keys_in(keys)
         prepared = self.manager.prepare_store(inner)
         if prepared is None:
             return None
-        now = time.monotonic()
-        for key in prepared.keys_to_store:
-            self._storing[key] = now
-            self._source.pop(key, None)  # the engine's own copy now
+        to_store = prepared.keys_to_store
+        if to_store:
+            self._store_started[to_store[0]] = time.monotonic()
+        source = self._source
+        if source:
+            for key in to_store:
+                source.pop(key, None)  # the engine's own copy now
         spec = prepared.store_spec
+        evicted = prepared.evicted_keys
         return PrepareStoreOutput(
-            keys_to_store=[self._out(key) for key in prepared.keys_to_store],
+            keys_to_store=[self._out(key) for key in to_store] if translate else to_store,
             store_spec=HostRowsSpec(spec.per_group(self.manager.num_groups)),
-            evicted_keys=[self._out(key) for key in prepared.evicted_keys],
+            evicted_keys=[self._out(key) for key in evicted] if translate else evicted,
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        inner = [self._in(key) for key in keys]
-        started = [self._storing.pop(key) for key in inner if key in self._storing]
+        inner = [self._in(key) for key in keys] if self._translate else keys
+        started = _pop_started(self._store_started, inner)
         self.manager.complete_store(inner, success=success)
-        if started and success:
-            self.latency.observe("store", "host", time.monotonic() - min(started))
+        if started is not None and success:
+            self.latency.observe("store", "host", time.monotonic() - started)
 
     # -- requests and steps ------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        return _CHUNK_LEVEL  # vLLM reads it, never writes it: one for every request
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.manager.on_request_finished(req_context.req_id)
+        """Nothing is held per request (the manager's ``on_request_finished`` is empty too)."""
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._reset_pending:
-            self._retry_reset()
-        if self._flush_pending and not HAS_RESET_FENCE:
-            self._unfenced_steps_left -= 1
-            if self._unfenced_steps_left <= 0:
-                self.on_reset_flushed()
+        if self._gated:
+            if self._reset_pending:
+                self._retry_reset()
+            if self._flush_pending and not HAS_RESET_FENCE:
+                self._unfenced_steps_left -= 1
+                if self._unfenced_steps_left <= 0:
+                    self.on_reset_flushed()
         self.manager.on_schedule_end()  # sends this step's promotions; HITs may be evicted again
         if not self.enable_events:
-            self.manager.take_events()  # nobody publishes them: do not let them pile up
+            self.manager.drop_events()  # nobody publishes them: do not let them pile up
 
     def has_pending_work(self) -> bool:
         unfenced_flush = self._flush_pending and not HAS_RESET_FENCE  # keep stepping until it is deemed done
@@ -247,16 +284,16 @@ class KVTierOffloadingManager(OffloadingManager):
         manager = self.manager
         # vLLM 0.33 reports when the reset's jobs are flushed (at once when there were none);
         # 0.32 does not: only jobs in flight now, known by their pins and stores, need a flush.
-        self._flush_pending = HAS_RESET_FENCE or bool(self._pins or self._storing)
+        pinned, storing = manager.held_by_caller()
+        self._flush_pending = HAS_RESET_FENCE or bool(pinned or storing)
         self._unfenced_steps_left = UNFENCED_RESET_STEPS
-        for key, pins in self._pins.items():
+        for key, pins in pinned.items():
             for _ in range(pins):
                 manager.complete_load([key])
-        if self._storing:
-            manager.complete_store(list(self._storing), success=False)
-        self._pins.clear()
+        if storing:
+            manager.complete_store(storing, success=False)
         self._load_started.clear()
-        self._storing.clear()
+        self._store_started.clear()
         self._source.clear()
         if not manager.wait_idle(_DRAIN_TIMEOUT_S):
             log.warning("kvtier reset: lower-tier transfers still running after %.0f s", _DRAIN_TIMEOUT_S)
@@ -297,6 +334,12 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # -- internals ---------------------------------------------------------------------
 
+    def _keys_in(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+        """``keys`` as the manager's, in a list (vLLM passes lists: those are not copied)."""
+        if self._translate:
+            return [self._in(key) for key in keys]
+        return keys if type(keys) is list else list(keys)
+
     def _in(self, key: OffloadKey) -> OffloadKey:
         if self._to_index is None:
             return key
@@ -325,3 +368,12 @@ class KVTierOffloadingManager(OffloadingManager):
             self._source.popitem(last=False)
         for key in outcome.failed:
             log.info("kvtier: promoting %s from the %s tier failed; it is a miss", key.hex(), outcome.tier)
+
+
+def _pop_started(started: dict[OffloadKey, float], keys: Iterable[OffloadKey]) -> float | None:
+    """Forget the start times kept for ``keys`` (one per call, under its first key) and
+    return the earliest. ``keys & started``, a set operation in C: no Python loop per key."""
+    if not started:
+        return None
+    found = started.keys() & keys
+    return min(map(started.pop, found)) if found else None

@@ -50,9 +50,17 @@ class LatencyRecorder:
         self._lock = threading.Lock()
 
     def observe(self, op: str, tier: str, seconds: float) -> None:
+        key = (op, tier)
         with self._lock:
-            self.histograms.setdefault((op, tier), Histogram()).observe(seconds)
-            self._pending.setdefault((op, tier), []).append(seconds)
+            histogram = self.histograms.get(key)
+            if histogram is None:  # not setdefault: that built a Histogram per observation
+                histogram = self.histograms[key] = Histogram()
+            histogram.observe(seconds)
+            pending = self._pending.get(key)
+            if pending is None:
+                self._pending[key] = [seconds]
+            else:
+                pending.append(seconds)
 
     def take(self) -> dict[tuple[str, str], list[float]]:
         with self._lock:

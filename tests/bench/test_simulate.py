@@ -11,6 +11,7 @@ from bench import traces
 from bench.policy import main
 from bench.simulate import TierSpec, device_prefix_hits, opt_hits, simulate
 from bench.traces import REAL_TRACE, Request, iter_jsonl, load_jsonl, trace_stats
+from bench.vllm_baseline import vllm_version
 
 POLICIES = ["lru", "slru", "arc", "s3fifo", "tinylfu", "cost", "prefix:lru", "prefix:arc", "prefix:tinylfu"]
 
@@ -181,10 +182,27 @@ def test_a_gain_over_vllm_that_even_opt_misses_is_flagged_out_of_reach() -> None
     def report(arc: float, opt: float) -> TraceReport:
         return TraceReport("agentic", {}, 1, 1, 0.0, policies={"hazard": 0.705}, vllm={"arc": arc}, opt=opt)
 
-    saturated = targets({"agentic": report(arc=0.70, opt=0.7332)}, None)["agentic"]
+    saturated = targets({"agentic": report(arc=0.70, opt=0.7332)})["agentic"]
     assert saturated["gain_beyond_opt"] and not saturated["beats_vllm_arc_by_10pct"]
     assert saturated["within_5pct_of_opt"]
-    roomy = targets({"agentic": report(arc=0.50, opt=0.90)}, None)["agentic"]
+    roomy = targets({"agentic": report(arc=0.50, opt=0.90)})["agentic"]
     assert (
         not roomy["gain_beyond_opt"] and roomy["beats_vllm_arc_by_10pct"] and not roomy["within_5pct_of_opt"]
     )
+
+
+@pytest.mark.skipif(vllm_version() is None, reason="vLLM's offloading manager does not import")
+def test_the_scheduler_table_drives_the_policy_directly_and_through_vllm(tmp_path, capsys) -> None:
+    out = tmp_path / "drive.json"
+    argv = ["--traces", "real-late", "--trace-fraction", "0.2", "--policies", "lru", "--jobs", "1"]
+    argv += ["--drive-policies", "lru", "--drive-traces", "real-late", "--drive-host-fractions", "0.1,0.2"]
+    assert main([*argv, "--rounds", "2", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    small, large = figures["drive"]["real-late"]
+    for sizes in (small, large):
+        assert sizes["direct:lru"]["hit_ratio"] == sizes["factory:lru"]["hit_ratio"] > 0
+        assert {"vllm:lru", "vllm:arc"} <= set(sizes) and len(sizes["factory:lru"]["adapter"]) == 2
+    assert small["host_blocks"] < large["host_blocks"]
+    assert set(figures["drive_targets"]) == {"real-late@0.1", "real-late@0.2"}
+    printed = capsys.readouterr().out
+    assert "as vLLM drives it" in printed and "targets for the default" in printed

@@ -116,6 +116,20 @@ def test_pins_are_counted_so_shared_prefixes_load_together():
     assert m.prepare_store([k(4)]).evicted_keys == [k(1)]
 
 
+def test_held_by_caller_names_pins_and_unfinished_stores_and_events_drop_unread():
+    m = manager(slots=4)
+    stored(m, 1, 2)
+    m.prepare_load([k(1)])
+    m.prepare_load([k(1), k(2)])
+    m.prepare_store([k(3)])
+    assert m.held_by_caller() == ({k(1): 2, k(2): 1}, [k(3)])
+    m.complete_load([k(1)])
+    m.complete_store([k(3)])
+    assert m.held_by_caller() == ({k(1): 1, k(2): 1}, [])
+    m.drop_events()
+    assert m.take_events() == []
+
+
 def test_prepare_load_keeps_order_and_refuses_non_hits_without_pinning():
     m = manager(slots=4)
     for i in (1, 2, 3):

@@ -122,7 +122,7 @@ def test_reset_cache_empties_the_host_tier_and_later_requests_store_again(make_e
 
     assert engine.scheduler.reset_connector_cache()  # with those stores still in flight
     adapter = engine.manager
-    assert len(adapter.manager) == 0 and not adapter._storing
+    assert len(adapter.manager) == 0 and adapter.manager.held_by_caller() == ({}, [])
     engine.run()  # the stale jobs finish and are skipped; nothing is left pinned or pending
     assert len(adapter.manager) == 0
     assert not adapter._flush_pending and not adapter._reset_pending
