@@ -41,19 +41,10 @@ from bench.policy_drive import drive_targets, print_drive, print_drive_targets, 
 from bench.report import write_json
 from bench.simulate import SimResult, TierSpec, device_prefix_hits, opt_hits, simulate
 from bench.traces import REAL_TRACE, Request, generate, load_jsonl, split_in_time, trace_names, trace_stats
-from policies.registry import DEFAULT_POLICY
+from policies.registry import DEFAULT_POLICY, builtin_policies
 
 POLICIES = (
-    "lru",
-    "adaptive",
-    "slru",
-    "arc",
-    "s3fifo",
-    "tinylfu",
-    "tinylfu-adaptive",
-    "cost",
-    "lhd",
-    "hazard",
+    *builtin_policies(),
     "prefix:lru",
     "prefix:arc",
     "prefix:s3fifo",

@@ -63,7 +63,6 @@ def offloading_config(capacity: int, policy: str, shm_dir: str) -> Any:
         OffloadingConfig,
         OffloadingGroupConfig,
         OffloadingModelConfig,
-        OffloadingParallelConfig,
     )
 
     extra = {
@@ -81,18 +80,7 @@ def offloading_config(capacity: int, policy: str, shm_dir: str) -> Any:
         engine_id=f"kvtier-bench-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name="bench", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        parallel=one_worker(),
     )
 
 
@@ -270,3 +258,22 @@ def alternate(jobs: dict[str, Job], rounds: int) -> dict[str, list[DriveResult]]
         for name, job in jobs.items():
             out[name].append(run_once(job))
     return out
+
+
+def one_worker() -> Any:
+    """vLLM's ``OffloadingParallelConfig`` of one worker: no tensor, pipeline, context or data
+    parallelism (what a scheduler-side driver or test needs)."""
+    from vllm.v1.kv_offload.config import OffloadingParallelConfig
+
+    return OffloadingParallelConfig(
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=False,
+    )

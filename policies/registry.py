@@ -64,6 +64,11 @@ def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     return cls
 
 
+def builtin_policies() -> list[str]:
+    """kvtier's own policies, in the order benchmarks and tests list them (no aliases)."""
+    return [cls.name for cls in _CLASSES]
+
+
 def policy_names() -> list[str]:
     """The names accepted by ``make_policy`` besides module paths (and ``prefix:`` forms)."""
     return sorted([*_BUILTIN, *_ALIASES])

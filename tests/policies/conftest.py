@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
+from policies.registry import builtin_policies
+
 # Every built-in policy, and each wrapped in prefix-aware eviction.
-BASE_POLICIES = [
-    "lru",
-    "adaptive",
-    "slru",
-    "arc",
-    "s3fifo",
-    "tinylfu",
-    "tinylfu-adaptive",
-    "cost",
-    "lhd",
-    "hazard",
-]
+BASE_POLICIES = builtin_policies()
 ALL_POLICIES = BASE_POLICIES + [f"prefix:{name}" for name in BASE_POLICIES]
 
 

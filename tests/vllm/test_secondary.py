@@ -22,10 +22,10 @@ from vllm.v1.kv_offload.config import (
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from bench.scheduler_driver import one_worker
 from offload.vllm.secondary import KVTierDiskTier, KVTierRemoteTier
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -52,18 +52,7 @@ def tiering_spec(tmp_path, tier=None, **tier_keys):
         engine_id=f"kvtier-test-{uuid.uuid4().hex}",
         model=OffloadingModelConfig(name="tiny", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        parallel=one_worker(),
     )
     return TieringOffloadingSpec(config)
 
