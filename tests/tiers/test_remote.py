@@ -25,7 +25,7 @@ from tests.tiers.peer_fixtures import HostRows, RawConnection, key, open_tier, s
 from tiers.remote import data_plane as remote_module
 from tiers.remote import protocol as proto
 from tiers.remote import rendezvous_owner
-from tiers.remote.server import parse_args
+from tiers.remote.server import BUSY_WINDOW_S, FAST_PROGRESS_S, IDLE_PROGRESS_S, parse_args, progress_delay
 from tiers.row_format import RowHeader
 
 TOKEN = b"kvtier-test-token-" + os.urandom(8).hex().encode()
@@ -78,6 +78,31 @@ async def test_a_call_of_several_requests_per_peer_round_trips(shared):
         for address in addresses:
             stats = await tier.peer_stats(address)
             assert stats["leases"] == 0 and stats["pending_slots"] == 0
+
+
+def test_a_peer_progresses_its_agent_every_millisecond_only_while_requests_come():
+    assert progress_delay(0.0, connected=True) == FAST_PROGRESS_S
+    assert progress_delay(BUSY_WINDOW_S - 0.01, connected=True) == FAST_PROGRESS_S
+    assert progress_delay(BUSY_WINDOW_S, connected=True) == IDLE_PROGRESS_S  # connected, quiet
+    assert progress_delay(0.0, connected=False) == IDLE_PROGRESS_S
+    assert IDLE_PROGRESS_S > FAST_PROGRESS_S
+
+
+@multiprocess
+async def test_rows_round_trip_after_the_peer_went_idle(shared):
+    """A peer whose client was quiet past ``BUSY_WINDOW_S`` polls its agent rarely; the next
+    request wakes it, so the transfers that follow still complete, byte-exact."""
+    rows, keys = two_group_rows(8, seed=11)
+    async with open_tier([shared[0].address], rows.view, namespace=b"idle", token=TOKEN) as tier:
+        assert await tier.put(list(zip(keys, rows.src, strict=True))) == [True] * 8
+        await asyncio.sleep(BUSY_WINDOW_S + 0.5)
+        rows.clear_dst()
+        assert await tier.get(list(zip(keys, rows.dst, strict=True))) == [True] * 8
+        assert all(rows.same(i) for i in range(8))
+        await asyncio.sleep(BUSY_WINDOW_S + 0.5)
+        assert (
+            await tier.put(list(zip([key(100 + i) for i in range(8)], rows.src, strict=True))) == [True] * 8
+        )
 
 
 @multiprocess
