@@ -83,7 +83,7 @@ class Membership:
 
     def __init__(
         self,
-        addresses: Sequence[str],
+        addresses: Sequence[Address],
         stats: RemoteStats,
         *,
         token: bytes | None = None,
@@ -92,14 +92,9 @@ class Membership:
         backoff: Backoff,
     ) -> None:
         self.peers: list[Peer] = []
-        for i, address in enumerate(addresses):
-            try:
-                parsed = Address.parse(address)
-            except ValueError:
-                raise ValueError(f"peer {address!r} is not 'host:port'") from None
-            self.peers.append(
-                Peer(address, parsed.host, parsed.port, peer_seed(address), i * SCRATCH_PER_PEER)
-            )
+        for i, address in enumerate(addresses):  # parsed already (RemoteSettings.peers)
+            text = str(address)
+            self.peers.append(Peer(text, address.host, address.port, peer_seed(text), i * SCRATCH_PER_PEER))
         self.scratch = np.zeros(len(self.peers) * SCRATCH_PER_PEER, dtype=np.uint8)
         self.token = token
         self.tenant = tenant

@@ -129,7 +129,7 @@ class RemoteTier(LowerTier):
         self.checksum_thread = checksum_thread
         self._stats = RemoteStats()
         self._members = Membership(
-            peers,
+            settings.peers,
             self._stats,
             token=token,
             tenant=tenant,
