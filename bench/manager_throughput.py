@@ -46,10 +46,13 @@ class Throughput:
         return self.keys / self.seconds if self.seconds else 0.0
 
 
-def _key_lists(trace: Sequence[Request], device_hits: Sequence[int]) -> list[list[bytes]]:
+def key_lists(trace: Sequence[Request], device_hits: Sequence[int] | None = None) -> list[list[bytes]]:
+    """Each request's offload keys past its ``device_hits`` (all of them without), one bytes
+    object per block shared by every request that names it."""
     cache: dict[int, bytes] = {}
+    skips = device_hits if device_hits is not None else [0] * len(trace)
     out = []
-    for request, d in zip(trace, device_hits, strict=True):
+    for request, d in zip(trace, skips, strict=True):
         out.append([cache.get(k) or cache.setdefault(k, offload_key(k)) for k in request.keys[d:]])
     return out
 
@@ -118,7 +121,7 @@ def kvtier_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: i
     from offload.manager import HostTierManager, Lookup
     from policies.registry import make_policy
 
-    requests = _key_lists(trace, device_hits)
+    requests = key_lists(trace, device_hits)
 
     def prepare() -> Any:
         return HostTierManager(1, capacity, lambda rows: make_policy(policy, rows))
@@ -163,7 +166,7 @@ def vllm_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: int
 
     from bench.vllm_baseline import make_manager
 
-    requests = _key_lists(trace, device_hits)
+    requests = key_lists(trace, device_hits)
 
     def prepare() -> Any:
         contexts = []

@@ -31,8 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.manager_throughput import key_lists
 from bench.traces import Request
-from bench.vllm_baseline import BLOCK_TOKENS, offload_key
+from bench.vllm_baseline import BLOCK_TOKENS
 
 ROW_BYTES = 64
 """Bytes per block the spec is told (``worker_kv_bytes_per_block``): the smallest row, so a
@@ -97,11 +98,6 @@ def factory_manager(capacity: int, policy: str, shm_dir: str) -> Any:
     return manager
 
 
-def _key_lists(trace: Sequence[Request]) -> list[list[bytes]]:
-    cache: dict[int, bytes] = {}
-    return [[cache.get(k) or cache.setdefault(k, offload_key(k)) for k in r.keys] for r in trace]
-
-
 Job = tuple[Callable[[], Any], Callable[[Any], tuple[int, int]], Callable[[Any], None]]
 """``(prepare, run, close)``: ``run(prepare())`` replays once (hits, calls); only ``run`` is timed."""
 
@@ -115,7 +111,7 @@ def vllm_api_job(
     """A manager with vLLM's ``OffloadingManager`` interface (vLLM's own, or kvtier's adapter)."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
-    requests = _key_lists(trace)
+    requests = key_lists(trace)
     end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
     def prepare() -> Any:
@@ -174,7 +170,7 @@ def direct_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: i
     from offload.manager import HostTierManager, Lookup
     from policies.registry import make_policy
 
-    requests = _key_lists(trace)
+    requests = key_lists(trace)
 
     def prepare() -> Any:
         return HostTierManager(1, capacity, lambda rows: make_policy(policy, rows))
