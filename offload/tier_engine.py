@@ -31,7 +31,7 @@ from typing import TypeVar
 from offload.keys import key_group
 from offload.row_layout import RowConverter
 from offload.streams import single_threaded_torch
-from tiers.base import LowerTier, Row, TierError
+from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,11 @@ class TierEngine:
                 self.safety_deadline_s,
             )
             ok, abandoned = [False] * len(keys), True
+        except RowsAbandoned as exc:  # the tier may still touch the rows it did not finish
+            log.warning(
+                "%s tier %s of %d rows abandoned: %s", self.tiers[tier].kind, kind.value, len(keys), exc
+            )
+            ok, abandoned = list(exc.ok), True
         except Exception as exc:  # a failed operation: every key of it failed
             log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(keys), exc)
             ok = [False] * len(keys)

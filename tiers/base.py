@@ -46,6 +46,16 @@ class TierError(RuntimeError):
     """A tier that cannot start (bad path, locked database, unreachable configuration)."""
 
 
+class RowsAbandoned(TierError):
+    """A call ended, but the tier may still write into (or read) the rows it did not finish:
+    ``ok`` is the result per row, and the caller must never reuse the memory of a row whose
+    ``ok`` is ``False`` (a remote get whose peer did not answer: its WRITE may still land)."""
+
+    def __init__(self, message: str, ok: list[bool]) -> None:
+        super().__init__(message)
+        self.ok = ok
+
+
 @dataclass
 class Stats(Mapping[str, float]):
     """Counters and levels as typed dataclass fields that also read as the mapping of field

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from offload.tier_engine import GIL_SWITCH_INTERVAL_S, TierEngine
-from tiers.base import LowerTier, Row, TierError
+from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 
 
 class FakeTier(LowerTier):
@@ -78,3 +78,29 @@ def test_starting_shortens_the_gil_switch_interval_and_never_lengthens_it(before
         assert sys.getswitchinterval() == pytest.approx(after)
     finally:
         sys.setswitchinterval(saved)
+
+
+class AbandoningTier(FakeTier):
+    """A get that lands the first row and gives the rest up while they may still be written."""
+
+    async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
+        raise RowsAbandoned("no answer from the peer", [True] + [False] * (len(rows) - 1))
+
+
+@pytest.mark.parametrize(
+    "tier, abandoned, ok", [(FakeTier(), False, [False] * 3), (AbandoningTier(), True, [True, False, False])]
+)
+def test_an_abandoned_get_keeps_its_hits_and_says_the_rest_may_still_be_written(tier, abandoned, ok):
+    """``RowsAbandoned`` is a result, not a failure of every key: the rows that landed stay
+    hits, and the op is marked abandoned so the manager never reuses the others' slots. The
+    control: a plain miss is not abandoned."""
+    engine = TierEngine([tier])
+    engine.start(None)
+    try:
+        rows = [(b"k%d" % i, memoryview(bytearray(8))) for i in range(3)]
+        assert engine.submit_get(7, 0, rows)
+        assert engine.wait_idle(5)
+        (result,) = engine.drain()
+        assert (result.op_id, result.abandoned, result.ok) == (7, abandoned, ok)
+    finally:
+        engine.close()

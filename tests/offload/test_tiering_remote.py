@@ -115,6 +115,36 @@ def test_promotion_from_a_peer_and_a_dead_peer_is_a_miss(tmp_path, peer):
         assert [offloader.caches.read_row(0, b) for b in (10, 11)] == device_before
 
 
+def test_a_promotion_a_stopped_peer_never_answers_quarantines_its_slots(tmp_path, peer):
+    """The peer WRITEs promoted rows into host slots itself: a stopped peer that never answers
+    may still write them later, so those slots are never handed out again (counted), and the
+    keys stay misses. The control: the same promotion from a live peer lands, quarantining
+    nothing."""
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+    keys = keys_for("stopped", 4)
+    with Offloader(kv, groups, config(tmp_path, peer, 2, row)) as offloader:
+        for i, key in enumerate(keys):
+            offloader.store([key], [i])
+            offloader.wait()
+            offloader.wait_tiers()
+        assert offloader.lookup(keys[:1]) == 0  # evicted: promoted back from the live peer
+        offloader.wait_tiers()
+        assert offloader.lookup(keys[:1]) == 1
+        assert offloader.stats()["quarantined_slots"] == 0
+        peer.stop()
+        try:
+            assert offloader.lookup(keys[2:3]) == 0  # evicted; its promotion goes to a stopped peer
+            offloader.wait_tiers(timeout=10)
+            stats = offloader.stats()
+            assert stats["quarantined_slots"] == 1
+            assert stats["tiers"]["remote"]["abandoned"] == 1
+            assert offloader.lookup(keys[2:3]) == 0  # still a miss
+        finally:
+            peer.cont()
+
+
 def put_by_another_engine(tmp_path, peer, keys: list[bytes]) -> list:
     """Engine A puts ``keys`` at the peer and goes away; their rows' bytes."""
     kv_a, groups = per_layer_blocks_first()

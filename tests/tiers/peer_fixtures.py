@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -214,6 +215,41 @@ async def open_tier(
         await tier.close()
 
 
+class RawAgent:
+    """A client's NIXL agent for ``RawConnection``: a registered buffer, its metadata, and a
+    thread that progresses the worker (a peer's transfers into it need that over UCX TCP,
+    and so does the transport's wire-up). Only that thread touches the agent after setup."""
+
+    def __init__(self, nbytes: int = 1 << 20) -> None:
+        from tiers.remote.nixl_agent import create_agent
+
+        self.buffer = np.zeros(nbytes, dtype=np.uint8)
+        self.addr = self.buffer.ctypes.data
+        self.name = f"kvtier-remote-raw-{os.urandom(6).hex()}"
+        self.agent = create_agent(self.name)
+        self.agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")
+        self.metadata = self.agent.get_agent_metadata()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._progress, daemon=True)
+        self._thread.start()
+
+    @property
+    def probe_addr(self) -> int:
+        return self.addr + len(self.buffer) - proto.PROBE_BYTES
+
+    def write_probe(self, value: bytes) -> None:
+        self.buffer[-proto.PROBE_BYTES :] = np.frombuffer(value, dtype=np.uint8)
+
+    def _progress(self) -> None:
+        while not self._stop.wait(0.0005):
+            with contextlib.suppress(Exception):
+                self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 class RawConnection:
     """A blocking socket that speaks frames, for auth, fuzz and relay tests.
 
@@ -275,8 +311,11 @@ class RawConnection:
                 continue
         return False
 
-    def handshake(self, token: bytes | None, tenant: str = proto.DEFAULT_TENANT) -> proto.Welcome | None:
-        """Authenticate as ``tenant``; the WELCOME, or ``None`` if the peer closed instead."""
+    def handshake(
+        self, token: bytes | None, tenant: str = proto.DEFAULT_TENANT, agent: RawAgent | None = None
+    ) -> proto.Welcome | None:
+        """Authenticate as ``tenant``; the WELCOME, or ``None`` if the peer closed instead.
+        With ``agent``, announce it too (AGENT, then READY), so requests may follow."""
         challenge = self.read_frame()
         assert challenge is not None and challenge.type == proto.Msg.CHALLENGE
         proto.decode_challenge(challenge.payload)
@@ -292,4 +331,10 @@ class RawConnection:
             self.session = None
             return None
         assert frame.type == proto.Msg.WELCOME
-        return proto.decode_welcome(frame.payload)
+        welcome = proto.decode_welcome(frame.payload)
+        if agent is not None:
+            agent.write_probe(self.session.probe_value)
+            self.request(proto.Msg.AGENT, 0, proto.encode_agent(agent.probe_addr, agent.metadata))
+            ready = self.read_frame()
+            assert ready is not None and ready.type == proto.Msg.READY, ready
+        return welcome

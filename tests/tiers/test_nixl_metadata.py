@@ -1,5 +1,5 @@
-"""The shape check a peer's NIXL metadata passes before NIXL sees it (no NIXL here: the blobs
-are built in NIXL 1.5's serialization, as ``get_agent_metadata`` writes it)."""
+"""The shape check a client's NIXL metadata passes at the peer before NIXL sees it (no NIXL
+here: the blobs are built in NIXL 1.5's serialization, as ``get_agent_metadata`` writes it)."""
 
 import struct
 
@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiers.remote.nixl_metadata import MetadataError, check_peer_metadata, parse_agent_metadata
+from tiers.remote.nixl_metadata import MetadataError, check_client_metadata, parse_agent_metadata
 
-NAME = "kvtier-peer-" + "ab" * 16
+NAME = "kvtier-remote-4242-" + "ab" * 4
 POOL = 0x7F0000000000
+PROBE = POOL + (1 << 20) - 64
 
 
 def field(tag: bytes, value: bytes) -> bytes:
@@ -38,25 +39,24 @@ def blob(
 def test_a_well_formed_blob_parses():
     md = parse_agent_metadata(blob())
     assert (md.name, md.backends, md.regions) == (NAME, ("UCX",), ((POOL, 1 << 20, 0),))
-    assert check_peer_metadata(blob(), NAME, POOL, POOL + (1 << 20)).name == NAME
+    assert check_client_metadata(blob(), PROBE, 32).name == NAME
 
 
 @pytest.mark.parametrize(
     "data, why",
     [
-        (blob(name="kvtier-peer-someone-else"), "announced"),
+        (blob(name="kvtier-peer-someone-else"), "not a kvtier client"),
         (blob(memory_type=b"\x01\x00\x00\x00"), "host memory"),
         (blob(backend=b"GDS"), "no UCX"),
-        (blob(regions=[(POOL + 4096, 1 << 20, 0)]), "matches"),  # does not cover the pool's start
-        (blob(regions=[(POOL, 1 << 19, 0)]), "matches"),  # ends before the pool does
-        (blob(regions=[(POOL, 1 << 40, 0)]), "matches"),  # far more than the pool: not the peer's pool
-        (blob(regions=[(POOL, 1 << 20, 3)]), "matches"),  # a device, not host memory
-        (blob(regions=[]), "matches"),
+        (blob(regions=[(POOL, 1 << 19, 0)]), "probe"),  # ends before the probe bytes
+        (blob(regions=[(PROBE + 8, 1 << 20, 0)]), "probe"),  # starts inside them
+        (blob(regions=[(POOL, 1 << 20, 3)]), "probe"),  # a device, not host memory
+        (blob(regions=[]), "no memory"),
     ],
 )
-def test_metadata_that_does_not_describe_the_announced_pool_is_refused(data, why):
+def test_metadata_that_does_not_hold_the_announced_probe_is_refused(data, why):
     with pytest.raises(MetadataError, match=why):
-        check_peer_metadata(data, NAME, POOL, POOL + (1 << 20))
+        check_client_metadata(data, PROBE, 32)
 
 
 def test_lengths_and_counts_are_bounded_before_use():

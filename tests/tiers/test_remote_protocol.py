@@ -17,13 +17,14 @@ DECODERS = [
     proto.decode_challenge,
     proto.decode_auth,
     proto.decode_welcome,
+    proto.decode_agent,
     proto.decode_keys,
-    proto.decode_put_alloc,
-    proto.decode_allocated,
+    proto.decode_transfer,
+    proto.decode_landed,
     proto.decode_commit,
     proto.decode_flags,
     proto.decode_id,
-    proto.decode_leased,
+    proto.decode_got,
     proto.decode_count,
     proto.decode_stats,
     proto.decode_error,
@@ -33,21 +34,28 @@ DECODERS = [
 @given(KEYS, st.data())
 def test_requests_round_trip(keys, data):
     lengths = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(keys), max_size=len(keys)))
+    addrs = data.draw(st.lists(st.integers(1, 2**48), min_size=len(keys), max_size=len(keys)))
     assert proto.decode_keys(proto.encode_keys(keys)) == keys
-    assert proto.decode_put_alloc(proto.encode_put_alloc(keys, lengths)) == (keys, lengths)
+    assert proto.decode_transfer(proto.encode_transfer(keys, lengths, addrs, 1500)) == (
+        keys,
+        lengths,
+        addrs,
+        1500,
+    )
     headers = [RowHeader(b"L" * 16, n, n * 7).pack() for n in range(len(keys))]
     assert proto.decode_commit(proto.encode_commit(9, headers)) == (9, headers)
-    entries = [(i, headers[i]) if i % 2 else None for i in range(len(keys))]
-    assert proto.decode_leased(proto.encode_leased(5, entries)) == (5, entries)
+    got = [headers[i] if i % 2 else None for i in range(len(keys))]
+    assert proto.decode_got(proto.encode_got(got)) == got
 
 
 def test_replies_round_trip():
-    slots = [0, 7, proto.NO_SLOT, proto.EXISTS]
-    assert proto.decode_allocated(proto.encode_allocated(3, slots)) == (3, slots)
+    landed = [proto.Landed.READ, proto.Landed.REFUSED, proto.Landed.EXISTS]
+    assert proto.decode_landed(proto.encode_landed(3, landed)) == (3, landed)
+    assert proto.decode_agent(proto.encode_agent(1 << 40, b"metadata")) == (1 << 40, b"metadata")
     assert proto.decode_flags(proto.encode_flags([True, False, True])) == [True, False, True]
     assert proto.decode_stats(proto.encode_stats({"rows": 3, "slots": 9})) == {"rows": 3, "slots": 9}
     assert proto.decode_error(proto.encode_error(proto.ErrorCode.LIMIT, "too many")) == (2, "too many")
-    welcome = proto.Welcome(b"i" * 16, 4096, 10, 1 << 40, 1 << 41, 16, b"metadata")
+    welcome = proto.Welcome(b"i" * 16, 4096, 10)
     assert proto.decode_welcome(proto.encode_welcome(welcome)) == welcome
 
 
@@ -64,6 +72,12 @@ def test_limits_are_enforced_before_allocation():
         proto.decode_id(struct.pack("<Q", 1) + b"x")
     with pytest.raises(ValueError):
         proto.encode_keys([b"k" * (proto.MAX_KEY_BYTES + 1)])
+    wraps = proto.encode_transfer([b"k"], [16], [2**64 - 8], 100)
+    with pytest.raises(proto.ProtocolError, match="not one"):
+        proto.decode_transfer(wraps)
+    no_budget = proto.encode_transfer([b"k"], [16], [4096], 100)
+    with pytest.raises(proto.ProtocolError, match="budget"):
+        proto.decode_transfer(struct.pack("<I", 0) + no_budget[4:])
 
 
 @given(st.binary(max_size=600))

@@ -1,8 +1,10 @@
 """One authenticated control connection to one ``kvtier peer``.
 
-It speaks ``tiers/remote/protocol.py`` and nothing else: the rows move by NIXL, driven by
-``RemoteTier``. Many calls share the connection at once: each request carries an id, a
-reader task hands each reply to the call waiting for it, and every wait has a deadline.
+It speaks ``tiers/remote/protocol.py`` and nothing else: the rows move by NIXL, initiated by
+the peer against this client's registered memory (``RemoteTier`` owns the agent and hands
+the handshake an ``Announcement`` of it). Many calls share the connection at once: each
+request carries an id, a reader task hands each reply to the call waiting for it, and every
+wait has a deadline.
 
 Failures come in two kinds, so the caller can tell a sick peer from a refused request:
 
@@ -28,6 +30,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 from tiers.remote import protocol as proto
 
@@ -54,6 +58,24 @@ def _remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+def _budget_ms(deadline: float) -> int:
+    return max(1, int(_remaining(deadline) * 1000))
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """This client's NIXL agent, as the handshake announces it to a peer.
+
+    ``write_probe(value)`` puts the session's probe value at ``probe_addr`` (inside the
+    registered memory ``metadata`` describes) before AGENT is sent; ``progressing()`` keeps
+    the agent's worker progressed while the peer reads it (and during every transfer)."""
+
+    metadata: bytes
+    probe_addr: int
+    write_probe: Callable[[bytes], None]
+    progressing: Callable[[], AbstractContextManager[None]]
+
+
 class PeerClient:
     """An authenticated connection; build it with ``PeerClient.connect``."""
 
@@ -73,6 +95,7 @@ class PeerClient:
         self._writer = writer
         self._on_lost = on_lost
         self._pending: dict[int, asyncio.Future[proto.Frame]] = {}
+        self._parts: dict[int, Callable[[bytes], None]] = {}  # request id -> its PART handler
         self._next_id = 0
         self.closed = False
         self._reading = asyncio.create_task(self._read_replies(), name=f"kvtier-peer-{address}")
@@ -86,8 +109,11 @@ class PeerClient:
         deadline: float,
         on_lost: Callable[[PeerClient, str], None] | None = None,
         tenant: str = proto.DEFAULT_TENANT,
+        *,
+        agent: Announcement,
     ) -> PeerClient:
-        """Connect and authenticate (both ways) as ``tenant`` by ``deadline`` (``time.monotonic()``)."""
+        """Connect and authenticate (both ways) as ``tenant``, and have the peer load and probe
+        ``agent``, by ``deadline`` (``time.monotonic()``)."""
         address = f"{host}:{port}"
         key = token or b""
         try:
@@ -119,6 +145,19 @@ class PeerClient:
                 if frame.type != proto.Msg.WELCOME:
                     raise proto.ProtocolError(f"expected WELCOME, got {frame.type.name}")
                 welcome = proto.decode_welcome(frame.payload)
+                agent.write_probe(session.probe_value)
+                writer.write(
+                    session.seal(proto.Msg.AGENT, 0, proto.encode_agent(agent.probe_addr, agent.metadata))
+                )
+                with agent.progressing():
+                    try:
+                        frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
+                    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                        raise PeerUnavailable(
+                            f"{address}: the peer refused this client's NIXL agent"
+                        ) from exc
+                if frame.type != proto.Msg.READY:
+                    raise proto.ProtocolError(f"expected READY, got {frame.type.name}")
         except BaseException as exc:
             writer.close()
             if isinstance(exc, TimeoutError):
@@ -130,16 +169,20 @@ class PeerClient:
 
     # -- requests -------------------------------------------------------------------------
 
-    async def put_alloc(
-        self, keys: Sequence[bytes], lengths: Sequence[int], deadline: float
-    ) -> tuple[int, list[int]]:
+    async def put(
+        self, keys: Sequence[bytes], lengths: Sequence[int], addrs: Sequence[int], deadline: float
+    ) -> tuple[int, list[proto.Landed]]:
+        """Have the peer READ the rows at ``addrs``: ``(allocation id, per key what became of it)``."""
         payload = await self._request(
-            proto.Msg.PUT_ALLOC, proto.encode_put_alloc(keys, lengths), proto.Msg.ALLOCATED, deadline
+            proto.Msg.PUT,
+            proto.encode_transfer(keys, lengths, addrs, _budget_ms(deadline)),
+            proto.Msg.LANDED,
+            deadline,
         )
-        alloc_id, slots = self._decode(proto.decode_allocated, payload)
-        if len(slots) != len(keys) or any(s >= self.welcome.num_slots for s in slots if s < proto.EXISTS):
-            self._break("ALLOCATED does not match its request")
-        return alloc_id, slots
+        alloc_id, landed = self._decode(proto.decode_landed, payload)
+        if len(landed) != len(keys):
+            self._break("LANDED does not match its request")
+        return alloc_id, landed
 
     async def put_commit(self, alloc_id: int, headers: Sequence[bytes], deadline: float) -> list[bool]:
         payload = await self._request(
@@ -153,15 +196,36 @@ class PeerClient:
     def put_abort(self, alloc_id: int) -> None:
         self._send(proto.Msg.PUT_ABORT, proto.encode_id(alloc_id))
 
-    async def get(self, keys: Sequence[bytes], deadline: float) -> tuple[int, list[tuple[int, bytes] | None]]:
-        payload = await self._request(proto.Msg.GET, proto.encode_keys(keys), proto.Msg.LEASED, deadline)
-        lease_id, entries = self._decode(proto.decode_leased, payload)
-        if len(entries) != len(keys) or any(e[0] >= self.welcome.num_slots for e in entries if e):
-            self._break("LEASED does not match its request")
-        return lease_id, entries
+    async def get(
+        self,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        addrs: Sequence[int],
+        deadline: float,
+        on_part: Callable[[list[int]], None] | None = None,
+    ) -> list[bytes | None]:
+        """Have the peer WRITE the rows it holds into ``addrs``: per key the row's header, or
+        ``None`` for a miss. ``on_part(indexes)`` is called (on the loop) as each part of the
+        WRITE lands. Only the reply means the peer's WRITE is over: after any exception it may
+        still be writing (the caller must not reuse those rows)."""
+        parts = None
+        if on_part is not None:
+            n = len(keys)
 
-    def release(self, lease_id: int) -> None:
-        self._send(proto.Msg.RELEASE, proto.encode_id(lease_id))
+            def parts(payload: bytes) -> None:
+                on_part(self._decode(lambda p: proto.decode_part(p, n), payload))
+
+        payload = await self._request(
+            proto.Msg.GET,
+            proto.encode_transfer(keys, lengths, addrs, _budget_ms(deadline)),
+            proto.Msg.GOT,
+            deadline,
+            parts,
+        )
+        headers = self._decode(proto.decode_got, payload)
+        if len(headers) != len(keys):
+            self._break("GOT does not match its request")
+        return headers
 
     async def contains(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
         payload = await self._request(
@@ -190,13 +254,23 @@ class PeerClient:
 
     # -- internals ------------------------------------------------------------------------
 
-    async def _request(self, msg: proto.Msg, payload: bytes, reply: proto.Msg, deadline: float) -> bytes:
+    async def _request(
+        self,
+        msg: proto.Msg,
+        payload: bytes,
+        reply: proto.Msg,
+        deadline: float,
+        on_part: Callable[[bytes], None] | None = None,
+    ) -> bytes:
+        """Send a request and wait for its reply; PART frames before it go to ``on_part``."""
         if self.closed:
             raise PeerUnavailable(f"{self.address}: connection closed")
         self._next_id = self._next_id % 0xFFFFFFFF + 1
         request_id = self._next_id
         future: asyncio.Future[proto.Frame] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
+        if on_part is not None:
+            self._parts[request_id] = on_part
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 self._writer.write(self._session.seal(msg, request_id, payload))
@@ -209,6 +283,7 @@ class PeerClient:
             raise PeerUnavailable(f"{self.address}: {exc}") from exc
         finally:
             self._pending.pop(request_id, None)
+            self._parts.pop(request_id, None)
         if frame.type == proto.Msg.ERROR:
             code, text = self._decode(proto.decode_error, frame.payload)
             raise PeerRefused(code, text)
@@ -237,6 +312,14 @@ class PeerClient:
         try:
             while True:
                 frame = await proto.read_frame(self._reader, proto.MAX_FRAME, self._session)
+                if frame.type == proto.Msg.PART:
+                    on_part = self._parts.get(frame.request_id)
+                    if on_part is not None:
+                        try:
+                            on_part(frame.payload)
+                        except PeerUnavailable:
+                            return  # _decode broke the connection already
+                    continue
                 future = self._pending.get(frame.request_id)
                 if future is not None and not future.done():
                     future.set_result(frame)

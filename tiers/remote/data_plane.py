@@ -1,74 +1,80 @@
-"""How rows move between the host tier and one peer: parts, checksums and NIXL transfers.
+"""How rows move between the host tier and one peer: requests, checksums, and the peer's transfers.
 
-Per owner peer (all owners concurrently, ``tier.RemoteTier``):
+**The peer initiates every NIXL transfer** against this client's registered host rows, so no
+client ever holds a key to a peer's memory (``tiers/remote/protocol.py``). Per owner peer
+(all owners concurrently, ``tier.RemoteTier``), one request per ``transfer_bytes`` of rows:
 
-- put: PUT_ALLOC (keys, lengths) -> slots; the rows are WRITten into the peer's slots, a
-  NIXL request per ``transfer_bytes`` of rows with **one descriptor per row**, and
-  checksummed; PUT_COMMIT with the row headers makes them visible. A key the peer holds already
-  is not sent again (keys name their content).
-- get: GET (keys) -> slots, row headers and a lease; the rows are READ into the caller's
-  buffers, then verified against their headers (layout id, length, xxh3) before they count
-  as hits; RELEASE ends the lease. A row that fails verification is a miss, never garbage.
+- put: PUT (keys, lengths, row addresses) -> the peer allocates slots for the keys it does
+  not hold, READs those rows and answers LANDED; meanwhile this client checksums the rows
+  on a thread beside (``checksum_thread``); PUT_COMMIT with the row headers makes them
+  visible. A key the peer holds already is not read again (keys name their content).
+- get: GET (keys, lengths, row addresses) -> the peer WRITEs each row it holds with that
+  length into the caller's buffer and answers GOT with the rows' headers; each row is then
+  verified against its header (layout id, length, xxh3) before it counts as a hit. A row
+  that fails verification is a miss, never garbage.
 
-Checksums overlap the copies where a core is free for it. On loopback UCX copies with CMA
-inside ``transfer()`` on the agent's thread (``tiers/remote/nixl_agent.py``), so a second thread
-hashes part k (a put hashes the rows it just wrote, a get verifies the rows it just read)
-while the agent's thread copies part k+1; the hash releases the GIL
-(``tiers/fast_checksum.py``) and finds the part's rows still in cache (xxh3 runs at about
-twice its speed there), so parts are small (``transfer_bytes``, 2 MiB by default). All
-parts of one call go to the agent's thread as one job. A part goes to the second thread
-only while it keeps up, and calls after one that found no core free for it hash on the
-agent's thread, right after each copy, as all do with ``checksum_thread=False`` (measured
-on a 2-core machine shared with other work: there the second thread overlapped nothing and
-cost CPU, so the tier falls back and the two settings measure the same). Rows should be
-64-byte aligned, as torch allocations are: a copy between addresses that differ mod 64
-runs at half speed (the peer's slots are 2 MiB aligned).
+Two requests per peer are in flight, so the peer moves one's rows while this client hashes
+the other's.
 
-A READ is never abandoned while it may still write a caller's buffer: a transfer that
-misses its deadline has its handle released and the remote agent removed before the call
-returns (``tiers/remote/nixl_agent.py``).
+A get's rows are safe to reuse only once the peer answered: its WRITE is over then. A get
+that ends any other way (no answer by the deadline, a closed connection, a failed
+transfer) may still have bytes on their way into the caller's buffers, so it is reported
+**abandoned** (``tiers.base.RowsAbandoned``) and the caller never reuses those rows. A put
+can end any way: a late READ only reads, and a row is visible only after its commit, whose
+header checksum catches a row read from memory that changed meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Set
-from typing import cast
 
 from tiers.fast_checksum import checksum_at
+from tiers.remote.client import PeerRefused, PeerTimeout, PeerUnavailable
 from tiers.remote.membership import Link
-from tiers.remote.nixl_agent import AgentThread, TransferError, descriptors, settle
-from tiers.remote.protocol import EXISTS, NO_SLOT
+from tiers.remote.nixl_agent import AgentThread, TransferError
+from tiers.remote.protocol import ErrorCode, Landed
 from tiers.remote.stats import RemoteStats
 from tiers.row_format import RowHeader, header_refusal
 
 log = logging.getLogger(__name__)
 
-MARGIN_S = 0.02
-"""Transfers time out this much before the call's deadline, to report in time."""
 
-Slots = list[tuple[int, int]]
-"""``(row index, peer slot)`` pairs of one call."""
+class GetAbandoned(PeerUnavailable):
+    """A get ended without the peer's answer: its WRITE may still land in the caller's rows."""
 
 
 class DataPlane:
-    """Moves one call's rows to or from one peer (``put_part``/``get_part``); see the module
+    """Moves one request's rows to or from one peer (``put_part``/``get_part``); see the module
     docstring. The rows are given as flat byte ``views`` and their ``addrs`` inside the
     registered host buffer; per-row outcomes go into the caller's flag list.
 
-    ``attach(agent)`` before the first call (``None``: closed, and transfers fail)."""
+    ``attach(agent)`` before the first call (``None``: closed, and calls fail)."""
 
     def __init__(
-        self, layout_id: bytes, layouts: Set[bytes], stats: RemoteStats, *, transfer_bytes: int = 2 << 20
+        self,
+        layout_id: bytes,
+        layouts: Set[bytes],
+        stats: RemoteStats,
+        *,
+        transfer_bytes: int = 4 << 20,
+        checksum_thread: bool = True,
     ) -> None:
         self.layout_id = layout_id
         self.layouts = layouts
         self.transfer_bytes = transfer_bytes
+        self.checksum_thread = checksum_thread
         self._stats = stats
         self._agent: AgentThread | None = None
 
     def attach(self, agent: AgentThread | None) -> None:
         self._agent = agent
+
+    def _live_agent(self) -> AgentThread:
+        if self._agent is None:
+            raise TransferError("the remote tier is closed")
+        return self._agent
 
     # -- put ------------------------------------------------------------------------------
 
@@ -84,64 +90,43 @@ class DataPlane:
     ) -> None:
         """Store rows ``idxs`` at ``link``'s peer; ``stored[i]`` is set for each row the peer
         now holds (committed now, or already there)."""
+        agent = self._live_agent()
         client = link.client
-        slot_bytes = link.welcome.slot_bytes
-        eligible = [i for i in idxs if 0 < len(views[i]) <= slot_bytes]
+        eligible = [i for i in idxs if 0 < len(views[i]) <= link.welcome.slot_bytes]
         if not eligible:
             return
-        alloc_id, slots = await client.put_alloc(
-            [wire[i] for i in eligible], [len(views[i]) for i in eligible], deadline
-        )
-        writes: Slots = []
-        for i, slot in zip(eligible, slots, strict=True):
-            if slot == EXISTS:
-                stored[i] = True
-            elif slot != NO_SLOT:
-                writes.append((i, slot))
-        if not writes:
-            return
+        hashing = self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in eligible])
         try:
-            headers = await self._write(link, writes, views, addrs, deadline)
+            with agent.incoming():
+                alloc_id, landed = await client.put(
+                    [wire[i] for i in eligible],
+                    [len(views[i]) for i in eligible],
+                    [addrs[i] for i in eligible],
+                    deadline,
+                )
+            checksums = await hashing
+        finally:
+            hashing.cancel()  # if the request failed first; a running hash just finishes
+        self._stats.transfers += 1
+        read: list[int] = []
+        headers: list[bytes] = []
+        for i, state, checksum in zip(eligible, landed, checksums, strict=True):
+            if state == Landed.EXISTS:
+                stored[i] = True
+            elif state == Landed.READ:
+                read.append(i)
+                headers.append(RowHeader(self.layout_id, len(views[i]), checksum).pack())
+        if not read:
+            return
+        self._stats.descriptors += len(read)
+        self._stats.bytes_written += sum(len(views[i]) for i in read)
+        try:
+            flags = await client.put_commit(alloc_id, headers, deadline)
         except BaseException:
             client.put_abort(alloc_id)
             raise
-        for (i, _), ok in zip(writes, await client.put_commit(alloc_id, headers, deadline), strict=True):
+        for i, ok in zip(read, flags, strict=True):
             stored[i] = ok
-
-    async def _write(
-        self,
-        link: Link,
-        writes: Slots,
-        views: list[memoryview],
-        addrs: list[int],
-        deadline: float,
-    ) -> list[bytes]:
-        """WRITE the rows, one NIXL request per part, and return their headers.
-
-        Each part is checksummed right after it was copied, while the next one is (see the
-        module docstring): the copy has just pulled the part's rows into cache, so hashing
-        them costs little (measured: xxh3 runs at ~2x the speed on cached rows than on rows
-        in DRAM). Raises if any part failed, once no part is in flight any more.
-        """
-        parts = self._parts(writes, views)
-        outcomes = await self._transfer(
-            link,
-            "WRITE",
-            parts,
-            views,
-            addrs,
-            deadline,
-            after=lambda k: [checksum_at(views[i], addrs[i]) for i, _ in parts[k]],
-        )
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        self._stats.bytes_written += sum(len(views[i]) for i, _ in writes)
-        checksums = [checksum for part_sums in cast(list[list[int]], outcomes) for checksum in part_sums]
-        return [
-            RowHeader(self.layout_id, len(views[i]), checksum).pack()
-            for (i, _), checksum in zip(writes, checksums, strict=True)
-        ]
 
     # -- get ------------------------------------------------------------------------------
 
@@ -157,120 +142,77 @@ class DataPlane:
         *,
         served: list[bytes | None],
     ) -> None:
-        """READ rows ``idxs`` from ``link``'s peer; ``loaded[i]`` is set for each row that
-        landed and verified, ``served[i]`` to its layout id."""
-        client = link.client
-        lease_id, entries = await client.get([wire[i] for i in idxs], deadline)
+        """Have ``link``'s peer WRITE rows ``idxs`` into their buffers; ``loaded[i]`` is set for
+        each row that landed and verified, ``served[i]`` to its layout id. Raises
+        ``GetAbandoned`` when the peer did not answer (its WRITE may still land)."""
+        agent = self._live_agent()
+        hashed: dict[int, asyncio.Future[list[int]]] = {}  # first row of a part -> its checksums
+        parts: list[list[int]] = []
+
+        def on_part(indexes: list[int]) -> None:  # a part landed: hash it while the next moves
+            rows = [idxs[k] for k in indexes]
+            parts.append(rows)
+            hashed[len(parts) - 1] = self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in rows])
+
         try:
-            reads: Slots = []
-            expected: dict[int, int] = {}  # row -> checksum its header promises
-            for i, entry in zip(idxs, entries, strict=True):
-                if entry is None:
-                    continue
-                slot, raw = entry
-                header = RowHeader.unpack(raw)
-                why = self._unservable(header, len(views[i]), link.welcome.slot_bytes)
-                if why is not None or header is None:
-                    self._stats.corrupt += 1
-                    log.warning("peer %s: a row not read (%s): a miss", link.peer.address, why)
-                    continue
-                reads.append((i, slot))
-                expected[i] = header.checksum
-                served[i] = header.layout_id
-            if reads:
-                await self._read_and_verify(link, reads, views, addrs, expected, loaded, deadline)
-        finally:
-            if lease_id:
-                client.release(lease_id)
-
-    def _unservable(self, header: RowHeader | None, length: int, slot_bytes: int) -> str | None:
-        """``row_format.verify`` without the checksum, which can only be checked after the READ."""
-        why = header_refusal(header, self.layouts, length)
-        if why is None and length > slot_bytes:
-            return f"length {length}, beyond the peer's {slot_bytes}-byte slots"
-        return why
-
-    async def _read_and_verify(
-        self,
-        link: Link,
-        reads: Slots,
-        views: list[memoryview],
-        addrs: list[int],
-        expected: dict[int, int],
-        loaded: list[bool],
-        deadline: float,
-    ) -> None:
-        """READ the rows, one NIXL request per part, and verify each part as soon as it lands
-        (still in cache), while the next one is read. Returns only when no READ can still write the
-        caller's buffers; rows of parts that landed and verified are hits even if another
-        part failed."""
-        parts = self._parts(reads, views)
-        outcomes = await self._transfer(
-            link,
-            "READ",
-            parts,
-            views,
-            addrs,
-            deadline,
-            after=lambda k: _verify(parts[k], views, addrs, expected),
-        )
-        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        for part, outcome in zip(parts, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
+            with agent.incoming():
+                headers = await link.client.get(
+                    [wire[i] for i in idxs],
+                    [len(views[i]) for i in idxs],
+                    [addrs[i] for i in idxs],
+                    deadline,
+                    on_part,
+                )
+        except PeerRefused as exc:
+            if exc.code != ErrorCode.TRANSFER_FAILED:
+                raise  # refused before any transfer started: nothing can land
+            raise GetAbandoned(f"{link.peer.address}: {exc}") from exc
+        except PeerUnavailable as exc:
+            if isinstance(exc, PeerTimeout):
+                self._stats.timeouts += 1
+            raise GetAbandoned(str(exc)) from exc
+        self._stats.transfers += 1
+        expected: dict[int, int] = {}  # row -> the checksum its header promises
+        for i, raw in zip(idxs, headers, strict=True):
+            if raw is None:
                 continue
-            for (i, _), good in zip(part, outcome, strict=True):
-                if good:
-                    loaded[i] = True
-                else:
-                    self._stats.corrupt += 1
-                    log.warning("peer %s: a row failed its checksum: a miss", link.peer.address)
-            self._stats.bytes_read += sum(len(views[i]) for i, _ in part)
-        if errors:
-            raise errors[0]
+            header = RowHeader.unpack(raw)
+            why = header_refusal(header, self.layouts, len(views[i]))
+            if why is not None or header is None:
+                self._stats.corrupt += 1
+                log.warning("peer %s: a row refused (%s): a miss", link.peer.address, why)
+                continue
+            expected[i] = header.checksum
+            served[i] = header.layout_id
+        if not expected:
+            return
+        self._stats.descriptors += len(expected)
+        self._stats.bytes_read += sum(len(views[i]) for i in expected)
+        sums: dict[int, int] = {}
+        for k, rows in enumerate(parts):  # hashed as their parts landed
+            sums.update(zip(rows, await hashed[k], strict=True))
+        late = [i for i in expected if i not in sums]  # a row no PART named: hash it now
+        if late:
+            late_sums = await self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in late])
+            sums.update(zip(late, late_sums, strict=True))
+        for i in expected:
+            checksum = sums[i]
+            if checksum == expected[i]:
+                loaded[i] = True
+            else:
+                self._stats.corrupt += 1
+                log.warning("peer %s: a row failed its checksum: a miss", link.peer.address)
 
-    # -- transfers ------------------------------------------------------------------------
+    # -- checksums ------------------------------------------------------------------------
 
-    def _parts(self, items: Slots, views: list[memoryview]) -> list[Slots]:
-        """Cut ``(row, slot)`` pairs into NIXL requests of about ``transfer_bytes`` (one row at least)."""
-        parts: list[Slots] = []
-        start, size = 0, 0
-        for n, (i, _) in enumerate(items):
-            size += len(views[i])
-            if size >= self.transfer_bytes:
-                parts.append(items[start : n + 1])
-                start, size = n + 1, 0
-        if start < len(items):
-            parts.append(items[start:])
-        return parts
-
-    async def _transfer(
-        self,
-        link: Link,
-        op: str,
-        parts: list[Slots],
-        views: list[memoryview],
-        addrs: list[int],
-        deadline: float,
-        after: Callable[[int], object],
-    ) -> list[object]:
-        """One NIXL request per part (one descriptor per row, host row <-> peer slot), all
-        posted by one job on the agent's thread; each part's outcome: ``after(k)`` or an error
-        (``after`` runs beside the agent's thread, or on it without ``checksum_thread``)."""
-        if self._agent is None:
-            raise TransferError("the remote tier is closed")
-        welcome = link.welcome
-        items = [item for part in parts for item in part]
-        lengths = [len(views[i]) for i, _ in items]
-        local = descriptors([addrs[i] for i, _ in items], lengths)
-        remote = descriptors([welcome.pool_addr + slot * welcome.slot_bytes for _, slot in items], lengths)
-        sizes = [len(part) for part in parts]
-        self._stats.transfers += len(parts)
-        self._stats.descriptors += len(items)
-        future = self._agent.transfer(
-            op, local, remote, sizes, link.remote_agent, deadline - MARGIN_S, after=after
-        )
-        return await settle(future, deadline, len(parts))
-
-
-def _verify(part: Slots, views: list[memoryview], addrs: list[int], expected: dict[int, int]) -> list[bool]:
-    return [checksum_at(views[i], addrs[i]) == expected[i] for i, _ in part]
+    def _hash(self, work: Callable[[], list[int]]) -> asyncio.Future[list[int]]:
+        """Checksum rows on a thread beside the event loop (the hash releases the GIL), so they
+        are hashed while the peer moves the rows of the other request in flight; with
+        ``checksum_thread`` off, right here."""
+        loop = asyncio.get_running_loop()
+        if self.checksum_thread:
+            self._stats.parts_checksummed_beside += 1
+            return loop.run_in_executor(None, work)
+        future: asyncio.Future[list[int]] = loop.create_future()
+        future.set_result(work())
+        return future

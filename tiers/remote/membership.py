@@ -5,11 +5,11 @@ down**: its keys are misses (or go to their next owner), it is retried after an 
 backoff (``backoff_s`` doubling to ``max_backoff_s``), and a restarted peer (new instance,
 new NIXL metadata) rejoins on its next successful handshake.
 
-A peer's NIXL metadata is used only after the WELCOME carrying it verified, and after it
-passed ``tiers/remote/nixl_metadata.py``'s shape checks (malformed metadata crashed NIXL;
-now it is a peer that cannot be used). Each handshake ends with a READ of the peer's probe
-bytes into this client's scratch area, which proves the data plane and wires the transport
-up before the first real transfer.
+The peer initiates every transfer, so a client loads no peer's NIXL metadata: each
+handshake announces this client's agent (its metadata and a few probe bytes in its scratch
+area, which hold a value only this session can compute) and ends when the peer has READ
+them, which proves the data plane and wires the transport up before the first real
+transfer.
 
 Everything here runs on the tier's event loop; ``Peer.up`` is a plain read, safe from the
 scheduler's thread.
@@ -26,10 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiers.address import Address
-from tiers.remote.client import PeerClient, PeerUnavailable
-from tiers.remote.nixl_agent import AgentThread, TransferTimeout, descriptors, quietly, settle
-from tiers.remote.nixl_metadata import MetadataError, check_peer_metadata
-from tiers.remote.protocol import DEFAULT_TENANT, INSTANCE_ID_BYTES, Welcome
+from tiers.remote.client import Announcement, PeerClient
+from tiers.remote.nixl_agent import AgentThread
+from tiers.remote.protocol import DEFAULT_TENANT, PROBE_BYTES, Welcome
 from tiers.remote.routing import peer_seed
 from tiers.remote.stats import RemoteStats
 from tiers.shared import Backoff
@@ -37,12 +36,12 @@ from tiers.shared import Backoff
 log = logging.getLogger(__name__)
 
 SCRATCH_PER_PEER = 64
-"""Bytes of the scratch area per peer (its probe READ lands there)."""
+"""Bytes of the scratch area per peer (the probe bytes its handshake's READ takes)."""
 
 
 @dataclass(eq=False)
 class Peer:
-    """One ``kvtier peer``: its address, and while it is up its connection and NIXL name."""
+    """One ``kvtier peer``: its address, and while it is up its connection."""
 
     address: str
     host: str
@@ -50,7 +49,6 @@ class Peer:
     seed: int
     scratch_offset: int
     client: PeerClient | None = None
-    remote_agent: str | None = None
     failures: int = 0
     retry_at: float = 0.0
     connecting: asyncio.Task | None = None
@@ -62,12 +60,11 @@ class Peer:
 
 @dataclass(frozen=True, eq=False)
 class Link:
-    """One call's view of an up peer: the connection and NIXL name it started with, so a
-    peer that goes down (or comes back) meanwhile cannot change them under the call."""
+    """One call's view of an up peer: the connection it started with, so a peer that goes
+    down (or comes back) meanwhile cannot change it under the call."""
 
     peer: Peer
     client: PeerClient
-    remote_agent: str
 
     @property
     def welcome(self) -> Welcome:
@@ -77,8 +74,9 @@ class Link:
 class Membership:
     """The peers of one remote tier and their state; see the module docstring.
 
-    ``attach(agent)`` before ``connect_all``: the handshake loads each peer's metadata into
-    that agent. ``scratch`` (``SCRATCH_PER_PEER`` bytes per peer) must be registered with it.
+    ``attach(agent, metadata)`` before ``connect_all``: the handshake announces that agent
+    (``metadata``: its NIXL metadata, taken once ``scratch``, ``SCRATCH_PER_PEER`` bytes per
+    peer, and the host rows were registered with it).
     """
 
     def __init__(
@@ -102,11 +100,13 @@ class Membership:
         self.backoff = backoff
         self._stats = stats
         self._agent: AgentThread | None = None
+        self._metadata = b""
         self._cleanup: set[asyncio.Future] = set()
 
-    def attach(self, agent: AgentThread | None) -> None:
-        """The NIXL agent that peers' metadata goes into (``None``: closed)."""
+    def attach(self, agent: AgentThread | None, metadata: bytes = b"") -> None:
+        """The NIXL agent the handshakes announce, and its metadata (``None``: closed)."""
         self._agent = agent
+        self._metadata = metadata
 
     # -- who is up ------------------------------------------------------------------------
 
@@ -115,11 +115,7 @@ class Membership:
 
     def links(self) -> list[Link]:
         """A link per peer that is up now, for one call (after ``reconnect_due``)."""
-        return [
-            Link(p, p.client, p.remote_agent)
-            for p in self.peers
-            if p.up and p.client is not None and p.remote_agent is not None
-        ]
+        return [Link(p, p.client) for p in self.peers if p.up and p.client is not None]
 
     def peer(self, address: str) -> Peer:
         return next(p for p in self.peers if p.address == address)
@@ -137,50 +133,29 @@ class Membership:
                 peer.connecting = asyncio.create_task(self.connect(peer))
 
     async def connect(self, peer: Peer) -> None:
-        """Handshake, load the peer's NIXL metadata, and READ its probe bytes (which proves
-        the data plane and wires the transport up before the first real transfer)."""
+        """Handshake, announcing this client's agent; the peer READs its probe bytes (which
+        proves the data plane and wires the transport up before the first real transfer)."""
         agent = self._agent
         assert agent is not None
         deadline = time.monotonic() + self.deadline_s
-        client: PeerClient | None = None
-        name: str | None = None
         peer.connecting = peer.connecting or asyncio.current_task()
+        probe = self.scratch[peer.scratch_offset : peer.scratch_offset + PROBE_BYTES]
+
+        def write_probe(value: bytes) -> None:
+            probe[:] = np.frombuffer(value, dtype=np.uint8)
+
+        announcement = Announcement(self._metadata, probe.ctypes.data, write_probe, agent.incoming)
         try:
             client = await PeerClient.connect(
-                peer.host, peer.port, self.token, deadline, self._on_lost(peer), self.tenant
+                peer.host,
+                peer.port,
+                self.token,
+                deadline,
+                self._on_lost(peer),
+                self.tenant,
+                agent=announcement,
             )
-            welcome = client.welcome
-            try:
-                check_peer_metadata(
-                    welcome.agent_metadata,
-                    f"kvtier-peer-{welcome.instance_id.hex()}",
-                    welcome.pool_addr,
-                    welcome.probe_addr + welcome.probe_len,
-                )
-            except MetadataError as exc:
-                raise PeerUnavailable(f"{peer.address}: NIXL metadata refused: {exc}") from exc
-            raw_name = await agent.call(
-                lambda a: a.add_remote_agent(welcome.agent_metadata), max(0.01, deadline - time.monotonic())
-            )
-            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
-            scratch = self.scratch.ctypes.data + peer.scratch_offset
-            probe = descriptors([scratch], [INSTANCE_ID_BYTES])
-            future = agent.transfer(
-                "READ", probe, descriptors([welcome.probe_addr], [INSTANCE_ID_BYTES]), [1], name, deadline
-            )
-            (outcome,) = await settle(future, deadline, 1)
-            if isinstance(outcome, BaseException):
-                raise outcome
-            got = self.scratch[peer.scratch_offset : peer.scratch_offset + INSTANCE_ID_BYTES].tobytes()
-            if got != welcome.instance_id:
-                raise PeerUnavailable(f"{peer.address}: the probe read other memory than the peer announced")
-        except BaseException as exc:  # whatever went wrong, the peer is not usable now
-            if client is not None:
-                await client.close()
-            if name is not None and not isinstance(exc, TransferTimeout):
-                self.remove_agent(name)
-            if not isinstance(exc, Exception):
-                raise  # cancelled: the tier is closing
+        except Exception as exc:  # whatever went wrong, the peer is not usable now
             self._back_off(peer)
             log.warning(
                 "peer %s unreachable (%s); next try in %.1f s",
@@ -191,10 +166,12 @@ class Membership:
             return
         finally:
             peer.connecting = None
+            probe[:] = 0
+        welcome = client.welcome
         if peer.failures:
             self._stats.rejoins += 1
             log.warning("peer %s is back (instance %s)", peer.address, welcome.instance_id.hex()[:8])
-        peer.client, peer.remote_agent, peer.failures = client, name, 0
+        peer.client, peer.failures = client, 0
 
     def _on_lost(self, peer: Peer) -> Callable[[PeerClient, str], None]:
         def lost(client: PeerClient, reason: str) -> None:
@@ -218,23 +195,14 @@ class Membership:
         task = asyncio.ensure_future(client.close())
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
-        if peer.remote_agent is not None:
-            self.remove_agent(peer.remote_agent)
-            peer.remote_agent = None
 
     def _back_off(self, peer: Peer) -> None:
         peer.failures += 1
         peer.retry_at = self.backoff.retry_at(peer.failures)
 
-    def remove_agent(self, name: str) -> None:
-        """Drop a peer's NIXL metadata (and connection) on the agent's thread, after anything
-        already queued towards it."""
-        if self._agent is not None:
-            self._agent.submit(lambda a: quietly(a.remove_remote_agent, name))
-
-    async def disconnect(self, grace_s: float) -> list[str]:
+    async def disconnect(self, grace_s: float) -> None:
         """Stop every handshake and close every connection (waiting up to ``grace_s`` for
-        closes already under way); the NIXL names of the peers, for the agent's teardown."""
+        closes already under way)."""
         for peer in self.peers:
             if peer.connecting is not None:
                 peer.connecting.cancel()
@@ -245,9 +213,3 @@ class Membership:
                 peer.client = None
         if self._cleanup:
             await asyncio.wait(self._cleanup, timeout=grace_s)
-        return [p.remote_agent for p in self.peers if p.remote_agent]
-
-    def forget_agents(self) -> None:
-        """After the agent is gone: no peer has a NIXL name any more."""
-        for peer in self.peers:
-            peer.remote_agent = None

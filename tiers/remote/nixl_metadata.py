@@ -1,21 +1,22 @@
-"""A strict reader of a peer's NIXL agent metadata, run before the bytes reach NIXL.
+"""A strict reader of a client's NIXL agent metadata, run by the peer before the bytes reach NIXL.
 
 NIXL parses metadata (``add_remote_agent``) in C++ and trusts every length in it: fuzzed
-metadata made a client abort (SIGABRT) or crash (SIGSEGV). The metadata a client receives
-comes in a WELCOME whose tag has verified (``tiers/remote/protocol.py``), so only a peer that
-knows the token can send it; this module makes even that peer's bytes pass a shape check
-first: the serialization NIXL 1.5 writes (``nixlSerDes``: ``tag, u64 length, value, '|'``,
-in a fixed order), every length inside the blob, small counts, exactly the agent name the
-peer announced (``kvtier-peer-<instance id>``) and a registered region that covers the pool
-and probe the WELCOME announced. Anything else is refused, never half-parsed. It does not
-look inside the UCX worker address (an opaque blob), so it narrows what reaches NIXL; it
-cannot prove NIXL safe from a hostile peer (``docs/threat-model.md``).
+metadata made the receiving process abort (SIGABRT) or crash (SIGSEGV). A peer loads the
+metadata of each client that authenticated (it arrives in an AGENT frame whose tag has
+verified: ``tiers/remote/protocol.py``); this module makes even an authenticated client's
+bytes pass a shape check first: the serialization NIXL 1.5 writes (``nixlSerDes``: ``tag,
+u64 length, value, '|'``, in a fixed order), every length inside the blob, small counts, a
+kvtier client's agent name, a UCX backend, host memory only, and a registered region that
+holds the probe bytes the client announced. Anything else is refused, never half-parsed. It
+does not look inside the UCX worker address (an opaque blob), so it narrows what reaches
+NIXL; it cannot prove NIXL safe from every blob (``docs/threat-model.md``).
 
 Pure Python, no NIXL import: testable alone.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -23,10 +24,10 @@ MAX_BACKENDS = 8
 MAX_SECTIONS = 8
 MAX_DESCRIPTORS = 1024
 MAX_BLOB_BYTES = 16 << 10
-REGION_SLACK = 4096
-"""How much larger than pool + probe a peer's registered region may be: it registers each
-run of slots with a probe area of a few bytes after it (``tiers/remote/server.py``)."""
-_DRAM_SEG = bytes(4)  # NIXL's memory type of host memory: a peer serves nothing else
+CLIENT_AGENT_PREFIX = "kvtier-remote-"
+"""Every remote tier names its agent so (``tiers/remote/tier.py``); nothing else is loaded."""
+_CLIENT_AGENT_NAME = re.compile(re.escape(CLIENT_AGENT_PREFIX) + r"[A-Za-z0-9._-]{1,100}")
+_DRAM_SEG = bytes(4)  # NIXL's memory type of host memory: a client registers nothing else
 _U64 = struct.Struct("<Q")
 _DESC = struct.Struct("<QQQ")  # address, length, device id; NIXL's own meta info follows
 
@@ -116,20 +117,20 @@ def parse_agent_metadata(data: bytes, max_bytes: int = 64 << 10) -> AgentMetadat
     return AgentMetadata(name, names, tuple(regions))
 
 
-def check_peer_metadata(
-    data: bytes, agent_name: str, start: int, end: int, slack: int = REGION_SLACK
-) -> AgentMetadata:
-    """``parse_agent_metadata``, plus: the agent is ``agent_name``, speaks UCX and registers
-    one host region (device 0) covering ``[start, end)`` (the pool and probe its WELCOME
-    announced) and at most ``slack`` bytes more (the rest of the probe area)."""
+def check_client_metadata(data: bytes, probe_addr: int, probe_len: int) -> AgentMetadata:
+    """``parse_agent_metadata``, plus: a kvtier client's agent (``CLIENT_AGENT_PREFIX``) that
+    speaks UCX and registers host memory (device 0) holding ``[probe_addr, probe_addr +
+    probe_len)``, the probe bytes its AGENT frame announced."""
     md = parse_agent_metadata(data)
-    if md.name != agent_name:
-        raise MetadataError(f"metadata of agent {md.name!r}, the peer announced {agent_name!r}")
+    if _CLIENT_AGENT_NAME.fullmatch(md.name) is None:
+        raise MetadataError(f"agent {md.name[:64]!r} is not a kvtier client's")
     if "UCX" not in md.backends:
-        raise MetadataError("the peer's agent has no UCX backend")
+        raise MetadataError("the client's agent has no UCX backend")
+    if not md.regions:
+        raise MetadataError("the client's agent registers no memory")
     if not any(
-        device == 0 and addr <= start and end <= addr + length and length <= end - start + slack
+        device == 0 and addr <= probe_addr and probe_addr + probe_len <= addr + length
         for addr, length, device in md.regions
     ):
-        raise MetadataError("no registered region matches the pool the peer announced")
+        raise MetadataError("no registered region holds the announced probe bytes")
     return md

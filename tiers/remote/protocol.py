@@ -1,7 +1,11 @@
 """The control plane between ``RemoteTier`` and ``kvtier peer``: frames, messages, limits, auth.
 
-Only small messages travel here (keys, slot numbers, 40-byte row headers); the rows
-themselves move by NIXL, one-sided, between the client's host pool and the peer's pool.
+Only small messages travel here (keys, addresses, 40-byte row headers); the rows move by
+NIXL, and **the peer initiates every transfer**: it READs a put's rows out of the client's
+registered host rows into its own slots, and WRITEs a get's rows from its slots into the
+client's. A client never receives the peer's NIXL metadata, pool address or slot numbers,
+so no client can address the peer's memory through NIXL, whatever the transport enforces
+(``docs/threat-model.md``).
 
 Frame: ``[u32 body length][u8 type][u32 request id][payload]``, little-endian. Every
 length and count is checked against a hard limit *before* anything is allocated, and a
@@ -13,16 +17,26 @@ Handshake (challenge-response over a shared secret, so the token never travels):
 
     peer   -> CHALLENGE  magic, version, server nonce
     client -> AUTH       version, client nonce, tenant, HMAC(token, "client" | transcript)
-    peer   -> WELCOME    (sealed) instance id, pool geometry, NIXL metadata
+    peer   -> WELCOME    (sealed) instance id, slot size, slots of the tenant
+    client -> AGENT      (sealed) the client's NIXL metadata, the address of its probe bytes
+    peer   -> READY      (sealed) once the peer READ the probe bytes and found the value
+                         only this session can put there
 
 The transcript is the CHALLENGE payload followed by the AUTH payload up to its MAC, so the
 client's MAC binds both nonces, the protocol version and the tenant it claims: a relay
 cannot graft one client's proof onto another claim. The peer accepts the claim only if the
 MAC verifies under a token that grants that tenant (``tiers/remote/auth.py``). A wrong MAC
-closes the connection before the peer says anything about itself: no NIXL metadata, no
-pool address. A client without a token uses the empty key, which only a peer started
-without a token accepts. Before authentication a frame may be at most
-``MAX_HANDSHAKE_FRAME`` bytes, so an anonymous connection cannot make the peer buffer more.
+closes the connection before the peer says anything about itself. A client without a token
+uses the empty key, which only a peer started without a token accepts. Before
+authentication a frame may be at most ``MAX_HANDSHAKE_FRAME`` bytes, so an anonymous
+connection cannot make the peer buffer more.
+
+The probe makes the client *prove* that the NIXL agent it announces is its own: the peer
+READs ``PROBE_BYTES`` at the announced address and compares them with
+``Session.probe_value``, derived from the session key. A client that replays another
+engine's metadata (readable on the wire) cannot make that engine's memory hold its own
+session's value, so it cannot make the peer read or write another process's memory. The
+peer also refuses metadata of an agent name another connection has loaded.
 
 **The channel after AUTH is authenticated** (``Session``): both sides derive a session key
 from the token and the transcript (so from both nonces), one key per direction, and every
@@ -30,14 +44,16 @@ later frame, WELCOME first, ends with a 16-byte keyed BLAKE2b tag over an implic
 per-direction sequence number and the whole body. A frame injected, replayed, dropped,
 reordered or rewritten by anyone without the token fails its tag; the receiver raises
 ``AuthenticationError`` and closes the connection (on the client: every call in flight
-is a miss, never a served row). The client uses WELCOME's NIXL metadata only after the
-WELCOME's tag verified, so the peer's proof of the token and the metadata are one thing.
-Nothing is encrypted: keys, row headers and metadata are readable on the wire (rows move
-by NIXL, outside this channel; see ``docs/threat-model.md``).
+is a miss, never a served row). Nothing is encrypted: keys, row headers and metadata are
+readable on the wire (rows move by NIXL, outside this channel).
 
 Requests carry a request id chosen by the client; the reply to a request carries the
-same id, so one connection serves many concurrent calls. ``RELEASE`` and ``PUT_ABORT``
-have no reply (they only give resources back).
+same id, so one connection serves many concurrent calls, and the peer may answer them in
+any order. ``PUT_ABORT`` has no reply. A GET's WRITE is cut into parts; as each lands the
+peer sends PART (same id: the indexes of the keys whose rows are in), so the client
+verifies those rows while the next part moves; GOT, with the headers, ends the GET.
+``PUT`` and ``GET`` carry the time the client still waits (``budget_ms``): the peer's
+transfer for them ends by then, done or failed.
 """
 
 from __future__ import annotations
@@ -53,7 +69,7 @@ from enum import IntEnum
 
 from tiers.row_format import HEADER_BYTES
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KVTP"
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -71,21 +87,34 @@ MAX_HANDSHAKE_FRAME = 256
 MAX_KEYS = 4096
 MAX_KEY_BYTES = 128
 MAX_METADATA_BYTES = 64 << 10
+PROBE_BYTES = 32
+MAX_BUDGET_MS = 60_000
 MAX_ERROR_TEXT = 256
 MAX_STATS = 64
 
 NO_SLOT = 0xFFFFFFFF
-"""In ALLOCATED and LEASED: no slot (refused, or a miss)."""
+"""From ``PeerPool.allocate``/``lookup``: no slot (refused, or a miss)."""
 EXISTS = 0xFFFFFFFE
-"""In ALLOCATED: the key is stored already; nothing to write, the put succeeded."""
+"""From ``PeerPool.allocate``: the key is stored already; nothing to write, the put succeeded."""
 MAX_SLOTS = 0xFFFFFFF0
+
+
+class Landed(IntEnum):
+    """Per key of a LANDED reply: what became of a row the client offered."""
+
+    REFUSED = 0  # no slot for it, or the peer's READ failed: not stored
+    EXISTS = 1  # stored already: nothing was read, the put succeeded
+    READ = 2  # read into a slot: stored once PUT_COMMIT brings its header
+
 
 _LEN = struct.Struct("<I")
 _BODY = struct.Struct("<BI")
 FRAME_OVERHEAD = _LEN.size + _BODY.size
 _CHALLENGE = struct.Struct(f"<4sH{NONCE_BYTES}s")
 _AUTH_HEAD = struct.Struct(f"<H{NONCE_BYTES}sB")
-_WELCOME = struct.Struct(f"<{INSTANCE_ID_BYTES}sQIQQII")
+_WELCOME = struct.Struct(f"<{INSTANCE_ID_BYTES}sQI")
+_AGENT_HEAD = struct.Struct("<QI")
+_BUDGET = struct.Struct("<I")
 _SEQ = struct.Struct("<Q")
 _ID = struct.Struct("<Q")
 _ERROR = struct.Struct("<HH")
@@ -103,14 +132,16 @@ class Msg(IntEnum):
     CHALLENGE = 1
     AUTH = 2
     WELCOME = 3
-    PUT_ALLOC = 10
-    ALLOCATED = 11
+    AGENT = 4
+    READY = 5
+    PUT = 10
+    LANDED = 11
     PUT_COMMIT = 12
     COMMITTED = 13
     PUT_ABORT = 14
     GET = 20
-    LEASED = 21
-    RELEASE = 22
+    GOT = 21
+    PART = 22
     CONTAINS = 30
     CONTAINED = 31
     DELETE = 40
@@ -124,6 +155,8 @@ class ErrorCode(IntEnum):
     UNKNOWN_ALLOCATION = 1  # expired or never made: the put's keys are not stored
     LIMIT = 2  # too many allocations or leases held by this connection
     BAD_REQUEST = 3  # well-formed but inconsistent (a header count that does not match)
+    TRANSFER_FAILED = 4  # the peer's NIXL transfer failed or ran out of budget; the
+    # connection closes after this reply (the peer dropped this client's NIXL agent)
 
 
 _MSG_VALUES = frozenset(int(m) for m in Msg)
@@ -241,6 +274,9 @@ class Session:
         ).digest()
         to_peer = hmac.new(master, b"client->peer", hashlib.sha256).digest()
         to_client = hmac.new(master, b"peer->client", hashlib.sha256).digest()
+        self.probe_value = hmac.new(master, b"probe", hashlib.sha256).digest()[:PROBE_BYTES]
+        """What the client puts in its probe bytes and the peer expects to read there: only
+        the two ends of this session can compute it."""
         self._send_key, self._recv_key = (to_peer, to_client) if is_client else (to_client, to_peer)
         self._send_seq = 0
         self._recv_seq = 0
@@ -306,42 +342,43 @@ def decode_auth(payload: bytes) -> tuple[bytes, str, bytes]:
 
 @dataclass(frozen=True)
 class Welcome:
-    """What an authenticated client learns about the peer: enough to address its pool."""
+    """What an authenticated client learns about the peer: who it is and how big its slots are."""
 
     instance_id: bytes  # new at every start of the peer: a changed id means a restart
-    slot_bytes: int
-    num_slots: int
-    pool_addr: int  # address of slot 0 in the peer's process; slot i at pool_addr + i * slot_bytes
-    probe_addr: int  # a few bytes holding instance_id, read once to prove the data plane works
-    probe_len: int
-    agent_metadata: bytes
+    slot_bytes: int  # the largest row the peer stores
+    num_slots: int  # the slots of the client's tenant (its quota, or the whole pool)
 
 
 def encode_welcome(w: Welcome) -> bytes:
-    head = _WELCOME.pack(
-        w.instance_id,
-        w.slot_bytes,
-        w.num_slots,
-        w.pool_addr,
-        w.probe_addr,
-        w.probe_len,
-        len(w.agent_metadata),
-    )
-    return head + w.agent_metadata
+    return _WELCOME.pack(w.instance_id, w.slot_bytes, w.num_slots)
 
 
 def decode_welcome(payload: bytes) -> Welcome:
     r = _Reader(payload)
-    instance_id, slot_bytes, num_slots, pool_addr, probe_addr, probe_len, md_len = r.unpack(_WELCOME)
-    if md_len > MAX_METADATA_BYTES:
-        raise ProtocolError(f"agent metadata of {md_len} bytes (at most {MAX_METADATA_BYTES})")
-    metadata = r.take(md_len)
+    instance_id, slot_bytes, num_slots = r.unpack(_WELCOME)
     r.end()
-    if slot_bytes == 0 or num_slots == 0 or num_slots > MAX_SLOTS or probe_len < INSTANCE_ID_BYTES:
+    if slot_bytes == 0 or num_slots == 0 or num_slots > MAX_SLOTS:
         raise ProtocolError("peer announces an empty pool")
-    if pool_addr == 0 or pool_addr + num_slots * slot_bytes > probe_addr or probe_addr + probe_len > 1 << 64:
-        raise ProtocolError("peer announces a pool that does not fit its address space")
-    return Welcome(instance_id, slot_bytes, num_slots, pool_addr, probe_addr, probe_len, metadata)
+    return Welcome(instance_id, slot_bytes, num_slots)
+
+
+def encode_agent(probe_addr: int, metadata: bytes) -> bytes:
+    """AGENT: where the client's probe bytes are, and its NIXL agent metadata."""
+    if not 0 < len(metadata) <= MAX_METADATA_BYTES:
+        raise ValueError(f"agent metadata of {len(metadata)} bytes (1..{MAX_METADATA_BYTES})")
+    return _AGENT_HEAD.pack(probe_addr, len(metadata)) + metadata
+
+
+def decode_agent(payload: bytes) -> tuple[int, bytes]:
+    r = _Reader(payload)
+    probe_addr, size = r.unpack(_AGENT_HEAD)
+    if not 0 < size <= MAX_METADATA_BYTES:
+        raise ProtocolError(f"agent metadata of {size} bytes (1..{MAX_METADATA_BYTES})")
+    metadata = r.take(size)
+    r.end()
+    if probe_addr == 0 or probe_addr + PROBE_BYTES > 1 << 64:
+        raise ProtocolError("a probe address that is not one")
+    return probe_addr, metadata
 
 
 # -- requests and replies ---------------------------------------------------------------
@@ -378,31 +415,51 @@ def decode_keys(payload: bytes) -> list[bytes]:
     return keys
 
 
-def encode_put_alloc(keys: Sequence[bytes], lengths: Sequence[int]) -> bytes:
-    if len(keys) != len(lengths):
-        raise ValueError("one length per key")
-    return encode_keys(keys) + struct.pack(f"<{len(lengths)}I", *lengths)
+def encode_transfer(
+    keys: Sequence[bytes], lengths: Sequence[int], addrs: Sequence[int], budget_ms: int
+) -> bytes:
+    """PUT and GET: per key the row's length and its address in the client's registered
+    memory (where the peer READs it from, or WRITEs it to), and the client's time left."""
+    if not len(keys) == len(lengths) == len(addrs):
+        raise ValueError("one length and one address per key")
+    budget = max(1, min(int(budget_ms), MAX_BUDGET_MS))
+    return (
+        _BUDGET.pack(budget)
+        + encode_keys(keys)
+        + struct.pack(f"<{len(lengths)}I", *lengths)
+        + struct.pack(f"<{len(addrs)}Q", *addrs)
+    )
 
 
-def decode_put_alloc(payload: bytes) -> tuple[list[bytes], list[int]]:
+def decode_transfer(payload: bytes) -> tuple[list[bytes], list[int], list[int], int]:
+    """``(keys, lengths, addresses, budget_ms)``; an address range that wraps is refused."""
     r = _Reader(payload)
+    (budget,) = r.unpack(_BUDGET)
     keys = _keys(r)
     lengths = r.u32s(len(keys))
+    addrs = list(struct.unpack(f"<{len(keys)}Q", r.take(8 * len(keys))))
     r.end()
-    return keys, lengths
+    if not 0 < budget <= MAX_BUDGET_MS:
+        raise ProtocolError(f"a budget of {budget} ms (1..{MAX_BUDGET_MS})")
+    if any(a == 0 or a + n > 1 << 64 for a, n in zip(addrs, lengths, strict=True)):
+        raise ProtocolError("a row address that is not one")
+    return keys, lengths, addrs, budget
 
 
-def encode_allocated(alloc_id: int, slots: Sequence[int]) -> bytes:
-    return _ID.pack(alloc_id) + _LEN.pack(len(slots)) + struct.pack(f"<{len(slots)}I", *slots)
+def encode_landed(alloc_id: int, landed: Sequence[Landed]) -> bytes:
+    return _ID.pack(alloc_id) + _LEN.pack(len(landed)) + bytes(int(x) for x in landed)
 
 
-def decode_allocated(payload: bytes) -> tuple[int, list[int]]:
-    """``(allocation id, per key: a slot, NO_SLOT or EXISTS)``."""
+def decode_landed(payload: bytes) -> tuple[int, list[Landed]]:
+    """``(allocation id, per key: REFUSED, EXISTS or READ)``."""
     r = _Reader(payload)
     alloc_id = r.u64()
-    slots = r.u32s(r.count(MAX_KEYS, 4))
+    n = r.count(MAX_KEYS, 1)
+    raw = r.take(n)
     r.end()
-    return alloc_id, slots
+    if any(b > Landed.READ for b in raw):
+        raise ProtocolError("an unknown LANDED status")
+    return alloc_id, [Landed(b) for b in raw]
 
 
 def encode_commit(alloc_id: int, headers: Sequence[bytes]) -> bytes:
@@ -435,7 +492,7 @@ def decode_flags(payload: bytes) -> list[bool]:
 
 
 def encode_id(value: int) -> bytes:
-    """PUT_ABORT and RELEASE: an allocation or lease id."""
+    """PUT_ABORT: an allocation id."""
     return _ID.pack(value)
 
 
@@ -446,30 +503,41 @@ def decode_id(payload: bytes) -> int:
     return value
 
 
-_NO_HEADER = bytes(HEADER_BYTES)
-
-
-def encode_leased(lease_id: int, entries: Sequence[tuple[int, bytes] | None]) -> bytes:
-    """Per key ``(slot, header)`` for a hit, ``None`` for a miss."""
-    parts = [_ID.pack(lease_id), _LEN.pack(len(entries))]
-    for entry in entries:
-        slot, header = entry if entry is not None else (NO_SLOT, _NO_HEADER)
-        parts.append(_LEN.pack(slot))
-        parts.append(header)
+def encode_got(headers: Sequence[bytes | None]) -> bytes:
+    """GOT: per key the header of the row the peer wrote into the client's memory, or ``None``
+    for a miss (not stored, or stored with another length than the client's row)."""
+    parts = [_LEN.pack(len(headers))]
+    for header in headers:
+        parts.append(b"\x00" if header is None else b"\x01" + header)
     return b"".join(parts)
 
 
-def decode_leased(payload: bytes) -> tuple[int, list[tuple[int, bytes] | None]]:
+def encode_part(indexes: Sequence[int]) -> bytes:
+    """PART: the indexes (into the GET's keys) of rows the peer has written so far."""
+    return _LEN.pack(len(indexes)) + struct.pack(f"<{len(indexes)}I", *indexes)
+
+
+def decode_part(payload: bytes, keys: int) -> list[int]:
+    """PART's indexes, each checked against the ``keys`` of its GET."""
     r = _Reader(payload)
-    lease_id = r.u64()
-    n = r.count(MAX_KEYS, 4 + HEADER_BYTES)
-    entries: list[tuple[int, bytes] | None] = []
-    for _ in range(n):
-        slot = r.u32()
-        header = r.take(HEADER_BYTES)
-        entries.append(None if slot == NO_SLOT else (slot, header))
+    indexes = r.u32s(r.count(MAX_KEYS, 4))
     r.end()
-    return lease_id, entries
+    if any(i >= keys for i in indexes):
+        raise ProtocolError("a PART index beyond its GET's keys")
+    return indexes
+
+
+def decode_got(payload: bytes) -> list[bytes | None]:
+    r = _Reader(payload)
+    n = r.count(MAX_KEYS, 1)
+    headers: list[bytes | None] = []
+    for _ in range(n):
+        flag = r.u8()
+        if flag > 1:
+            raise ProtocolError("an unknown GOT flag")
+        headers.append(r.take(HEADER_BYTES) if flag else None)
+    r.end()
+    return headers
 
 
 def encode_count(n: int) -> bytes:

@@ -57,3 +57,20 @@ def group_by_owner(wire: Sequence[bytes], owners: Sequence[_T], seeds: Sequence[
 def batches(idxs: list[int], size: int) -> list[list[int]]:
     """``idxs`` cut into runs of at most ``size`` (keys per control request)."""
     return [idxs[i : i + size] for i in range(0, len(idxs), size)]
+
+
+def batches_by_bytes(idxs: list[int], sizes: Sequence[int], max_bytes: int, max_keys: int) -> list[list[int]]:
+    """``idxs`` cut into runs of about ``max_bytes`` of rows (``sizes[i]`` each; one row at
+    least) and at most ``max_keys`` keys: one request, and one transfer of the peer's, each."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    size = 0
+    for i in idxs:
+        run.append(i)
+        size += sizes[i]
+        if size >= max_bytes or len(run) >= max_keys:
+            out.append(run)
+            run, size = [], 0
+    if run:
+        out.append(run)
+    return out

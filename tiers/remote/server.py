@@ -6,22 +6,25 @@
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
-The pool is one buffer, pre-faulted, registered with NIXL once per run of slots (one run
-per tenant of the token file, else one) and kept registered for the life of the process
-(deregistering would not revoke a client's access anyway; what a client may touch is
-guarded by protocol, in ``tiers/remote/pool.py``, and by the transport: ``ServedMemory``).
-It is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every KV group
-share the slots, a smaller row uses the head of its slot). Fixed slots keep a slot's
-address a multiplication and make eviction a one-for-one swap; vLLM pads every group's page
-to one size anyway, so little is wasted.
+The pool is one buffer, pre-faulted and registered with NIXL once for the life of the
+process, cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every
+KV group share the slots, a smaller row uses the head of its slot). Fixed slots keep a
+slot's address a multiplication and make eviction a one-for-one swap; vLLM pads every
+group's page to one size anyway, so little is wasted.
 
-Data never passes through this process's code: clients READ and WRITE slots with NIXL
-(one-sided; over CMA the copy is done by the client's kernel call). The peer only runs the
-control plane (``tiers/remote/protocol.py``) on one uvloop event loop: handshake, two-phase
-put (allocate, client writes, commit), get (slots and a lease, client reads, release),
-contains, delete, stats. Its NIXL agent has no progress thread; the loop progresses it
-every millisecond while clients are connected (a new client's first transfer needs the
-target to answer the transport's wire-up) and rarely otherwise.
+**The peer initiates every transfer** (``tiers/remote/protocol.py``): a client announces its
+own NIXL agent (metadata checked by ``tiers/remote/nixl_metadata.py``, then proven its own by
+a probe read) and names, per request, the addresses of its rows; the peer READs a put's rows
+into slots it allocated for that tenant and WRITEs a get's rows from the slots it looked
+up, then answers. No client ever receives the pool's address, a slot number or the peer's
+NIXL metadata, so no client reaches a row it was not granted, or any other memory of this
+process, through NIXL, on any transport (``docs/threat-model.md`` says what remains). The
+agent lives on a thread of its own (``AgentThread``); with no transfer in flight it sleeps,
+so an idle peer costs no CPU however many clients are connected. The control plane runs on
+one uvloop event loop: handshake, put (read, then commit), get, contains, delete, stats;
+puts and gets of one connection run concurrently (``MAX_TRANSFERS_PER_CONNECTION``). A
+transfer that fails or runs past the client's budget is answered ``TRANSFER_FAILED`` and
+closes that connection (its agent was dropped; the client reconnects).
 
 A malformed or oversized message, or one whose tag fails, closes that connection only; a
 failed handshake closes the connection before the peer says anything about itself.
@@ -59,8 +62,10 @@ from tiers.base import Stats
 from tiers.remote import protocol as proto
 from tiers.remote.auth import Credentials, read_token_file
 from tiers.remote.net_iface import bind_ucx_to
-from tiers.remote.nixl_agent import create_agent
+from tiers.remote.nixl_agent import AgentThread, descriptors, quietly, settle
+from tiers.remote.nixl_metadata import MetadataError, check_client_metadata
 from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.row_format import RowHeader
 from tiers.sizes import parse_size
 
 log = logging.getLogger("kvtier.peer")
@@ -74,26 +79,31 @@ class ServerCounters(Stats):
     auth_failures: int = 0
     protocol_errors: int = 0
     pushed_out: int = 0  # unauthenticated connections closed to make room for newer ones
+    agents_refused: int = 0  # AGENT frames whose metadata or probe did not pass
+    transfers_failed: int = 0  # a READ or WRITE of a client's rows that failed or ran late
 
 
-PAGE = 4096
 HUGE_PAGE = 2 << 20
-PROBE_BYTES = 64  # after the last slot: the instance id, read once by each client
+PROBES = 64
+"""Probe reads that may run at once (one per handshake in progress); more wait their turn."""
 HANDSHAKE_TIMEOUT_S = 3.0
 MAX_UNAUTHENTICATED_PER_SOURCE = 16
 MAX_UNAUTHENTICATED = 512
 MAX_TTL_S = 3600.0
 MAX_CONNECTIONS = 65536
+MAX_TRANSFERS_PER_CONNECTION = 8
 WRITE_TIMEOUT_S = 10.0
-FAST_PROGRESS_S = 0.001
-IDLE_PROGRESS_S = 0.05
-BUSY_WINDOW_S = 2.5
-"""The agent is progressed every ``FAST_PROGRESS_S`` this long after the last request, else
-every ``IDLE_PROGRESS_S``. Every client call opens with a request (allocate, lease, contains)
-and ends within its deadline (at most 2 s), so the one-sided transfers it makes (which the
-target progresses over UCX TCP) all fall inside the window; a peer whose clients are
-connected but quiet stops costing a core (16 such peers: 0.44 of a core at 1 ms polling)."""
+GET_PART_BYTES = 8 << 20
+"""A GET's WRITE is cut into parts of about this size; a PART frame follows each, so the
+client verifies one part while the next moves."""
+REPLY_MARGIN_S = 0.01
+"""A transfer ends this long before the client's budget runs out, so the answer can reach it."""
+AGENT_START_S = 30.0
 SWEEP_S = 0.1
+
+
+class TransferFailed(Exception):
+    """The peer's READ or WRITE of a client's rows failed: answered, then the connection closes."""
 
 
 @dataclass(frozen=True)
@@ -112,73 +122,100 @@ class PeerSettings:
     max_unauthenticated: int = MAX_UNAUTHENTICATED
 
 
-@dataclass(frozen=True)
-class Region:
-    """One run of slots and its probe, as its tenant's clients see it."""
-
-    first_slot: int  # the pool's slot number of this run's slot 0 (wire slots are relative)
-    num_slots: int
-    pool_addr: int
-    probe_addr: int
-    metadata: bytes  # NIXL metadata describing this region only
-
-
 class ServedMemory:
-    """The slots in one buffer, one NIXL registration per run of slots (per tenant under
-    quotas, else one), registered for the process lifetime.
+    """The slots in one buffer, registered with NIXL once, and the peer's NIXL agent.
 
-    Each run is followed by a probe area holding the instance id; the first starts 2 MiB
-    aligned, the others page aligned.
-    A tenant's clients get metadata of their own run only (``get_partial_agent_metadata``):
-    NIXL refuses to initiate a transfer outside it, and an RDMA NIC refuses one that a client
-    forged (on UCX TCP and CMA nothing does: ``docs/threat-model.md``).
+    Only this process's agent ever addresses the slots: it READs and WRITEs them against
+    clients' registered rows (``transfer``). Nothing about the buffer (address, keys,
+    metadata) is sent anywhere. After the slots come ``PROBES`` small landing areas for the
+    probe reads of handshakes in progress.
 
-    A numpy allocation (numpy asks for transparent huge pages), every page faulted in at
-    start rather than during a client's first transfer. Alignment is a measured matter: a
-    CMA copy between buffers whose addresses differ mod 64 runs at about half speed, and
-    host tiers are torch allocations (aligned), so slots are too.
+    A numpy allocation (numpy asks for transparent huge pages), 2 MiB aligned, every page
+    faulted in at start rather than during a client's first transfer. Alignment is a
+    measured matter: a CMA copy between buffers whose addresses differ mod 64 runs at about
+    half speed, and host tiers are torch allocations (aligned), so slots are too.
     """
 
-    def __init__(
-        self, runs: dict[str, tuple[int, int]], slot_bytes: int, instance_id: bytes, agent_name: str
-    ) -> None:
-        def stride(count: int) -> int:  # page-aligned runs: a tenant costs at most a page more
-            return -(-(count * slot_bytes + PROBE_BYTES) // PAGE) * PAGE
-
-        runs = {name: run for name, run in runs.items() if run[1] > 0}
-        self.buffer = np.zeros(sum(stride(count) for _, count in runs.values()) + HUGE_PAGE, dtype=np.uint8)
-        self.buffer[::PAGE] = 0  # fault every page in now
-        self.agent = create_agent(agent_name)
+    def __init__(self, num_slots: int, slot_bytes: int, agent_name: str) -> None:
+        self.slot_bytes = slot_bytes
+        pool_bytes = num_slots * slot_bytes
+        self.buffer = np.zeros(pool_bytes + PROBES * proto.PROBE_BYTES + HUGE_PAGE, dtype=np.uint8)
+        self.buffer[::4096] = 0  # fault every page in now
         offset = -self.buffer.ctypes.data % HUGE_PAGE
-        registrations = {}
-        placed = {}
-        for name, (first, count) in runs.items():
-            probe = offset + count * slot_bytes
-            self.buffer[probe : probe + len(instance_id)] = np.frombuffer(instance_id, dtype=np.uint8)
-            addr = self.buffer.ctypes.data + offset
-            registrations[name] = self.agent.register_memory(
-                [(addr, count * slot_bytes + PROBE_BYTES, 0, "")], "DRAM"
+        self._region = self.buffer[offset : offset + pool_bytes + PROBES * proto.PROBE_BYTES]
+        self.pool_addr = self._region.ctypes.data
+        self._probe_offset = pool_bytes
+        self._free_probes = asyncio.Queue[int]()
+        for i in range(PROBES):
+            self._free_probes.put_nowait(i)
+        self.agent = AgentThread(agent_name, after_thread=False)
+        self._registration = None
+
+    async def start(self) -> None:
+        await self.agent.start(AGENT_START_S)
+        region = (self.pool_addr, self._region.nbytes, 0, "")
+        self._registration = await self.agent.call(
+            lambda a: a.register_memory([region], "DRAM"), AGENT_START_S
+        )
+
+    def close(self) -> None:
+        self.agent.close()
+
+    def slot_addr(self, slot: int) -> int:
+        return self.pool_addr + slot * self.slot_bytes
+
+    async def load(self, metadata: bytes, timeout: float) -> str:
+        """Load a client's (checked) metadata; the name of its agent."""
+        raw = await self.agent.call(lambda a: a.add_remote_agent(metadata), timeout)
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def forget(self, name: str) -> None:
+        """Drop a client's agent, after whatever is queued towards it."""
+        self.agent.submit(lambda a: quietly(a.remove_remote_agent, name))
+
+    async def transfer(
+        self,
+        op: str,
+        name: str,
+        slot_addrs: list[int],
+        client_addrs: list[int],
+        lengths: list[int],
+        deadline: float,
+        *,
+        part_sizes: list[int] | None = None,
+        after: Callable[[int], object] | None = None,
+    ) -> None:
+        """READ (client rows -> slots) or WRITE (slots -> client rows): one NIXL request per
+        part (``part_sizes`` rows each; one part by default), ``after(k)`` on the agent's
+        thread as part ``k`` lands. By ``deadline`` done, or ``TransferFailed`` (and no
+        request of it is in flight any more)."""
+        sizes = part_sizes or [len(lengths)]
+        future = self.agent.transfer(
+            op,
+            descriptors(slot_addrs, lengths),
+            descriptors(client_addrs, lengths),
+            sizes,
+            name,
+            deadline,
+            after=after,
+        )
+        outcomes = await settle(future, deadline, len(sizes))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise TransferFailed(str(outcome))
+
+    async def read_probe(self, name: str, probe_addr: int, deadline: float) -> bytes:
+        """The client's ``PROBE_BYTES`` at ``probe_addr``, read into a landing area of ours."""
+        index = await asyncio.wait_for(self._free_probes.get(), max(0.0, deadline - time.monotonic()))
+        try:
+            at = self._probe_offset + index * proto.PROBE_BYTES
+            self._region[at : at + proto.PROBE_BYTES] = 0
+            await self.transfer(
+                "READ", name, [self.pool_addr + at], [probe_addr], [proto.PROBE_BYTES], deadline
             )
-            placed[name] = (first, count, addr, addr + count * slot_bytes)
-            offset += stride(count)
-        self.regions: dict[str, Region] = {}
-        for name, (first, count, addr, probe_addr) in placed.items():
-            if len(runs) == 1:
-                metadata = self.agent.get_agent_metadata()
-            else:
-                metadata = self.agent.get_partial_agent_metadata(registrations[name], True, ["UCX"])
-            self.regions[name] = Region(first, count, addr, probe_addr, metadata)
-
-    def progress(self) -> None:
-        """Let the agent answer transport wire-up from new clients (no progress thread)."""
-        self.agent.get_new_notifs()
-
-
-def progress_delay(since_request_s: float, connected: bool) -> float:
-    """How long the peer waits before progressing its agent again (``BUSY_WINDOW_S``)."""
-    if connected and since_request_s < BUSY_WINDOW_S:
-        return FAST_PROGRESS_S
-    return IDLE_PROGRESS_S
+            return self._region[at : at + proto.PROBE_BYTES].tobytes()
+        finally:
+            self._free_probes.put_nowait(index)
 
 
 class PeerServer:
@@ -201,56 +238,38 @@ class PeerServer:
             lease_ttl_s=settings.lease_ttl_s,
             quotas=settings.credentials.quotas(num_slots),
         )
-        self.memory = ServedMemory(
-            self.pool.ranges, settings.row_bytes, self.instance_id, f"kvtier-peer-{self.instance_id.hex()}"
-        )
+        self.memory = ServedMemory(num_slots, settings.row_bytes, f"kvtier-peer-{self.instance_id.hex()}")
         self._conn_ids = itertools.count(1)
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
         self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
+        self._agents: dict[str, int] = {}  # loaded client agent -> its connection
         self._handlers: set[asyncio.Task] = set()
         self.counters = ServerCounters()
-        self._last_request = -math.inf  # time.monotonic() of the last request, for _progress
-        self._request_came = asyncio.Event()  # wakes an idle _progress at once
 
     async def serve(self, ready: asyncio.Future[tuple[str, int]], stop: asyncio.Event) -> None:
-        server = await asyncio.start_server(
-            self._on_connection, self.settings.host, self.settings.port, limit=proto.MAX_FRAME + 64
-        )
+        await self.memory.start()
+        try:
+            server = await asyncio.start_server(
+                self._on_connection, self.settings.host, self.settings.port, limit=proto.MAX_FRAME + 64
+            )
+        except BaseException:
+            self.memory.close()
+            raise
         host, port = server.sockets[0].getsockname()[:2]
         ready.set_result((host, port))
-        background = [asyncio.create_task(self._progress()), asyncio.create_task(self._sweep())]
+        sweeping = asyncio.create_task(self._sweep())
         try:
             await stop.wait()
         finally:
             server.close()
             for writer in list(self._connections.values()):
                 writer.close()
-            for task in [*background, *self._handlers]:
+            for task in [sweeping, *self._handlers]:
                 task.cancel()
-            await asyncio.gather(*background, *self._handlers, return_exceptions=True)
+            await asyncio.gather(sweeping, *self._handlers, return_exceptions=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
-
-    # -- background -------------------------------------------------------------------------
-
-    async def _progress(self) -> None:
-        while True:
-            try:
-                self.memory.progress()
-            except Exception as exc:  # never let the control plane die of a transport hiccup
-                log.debug("NIXL progress: %s", exc)
-            delay = progress_delay(time.monotonic() - self._last_request, bool(self._connections))
-            if delay == FAST_PROGRESS_S:
-                await asyncio.sleep(delay)
-                continue
-            self._request_came.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._request_came.wait(), delay)
-
-    def _note_request(self) -> None:
-        """A request arrived: progress the agent often while its transfers may follow."""
-        self._last_request = time.monotonic()
-        self._request_came.set()
+            await asyncio.to_thread(self.memory.close)
 
     async def _sweep(self) -> None:
         while True:
@@ -266,14 +285,15 @@ class PeerServer:
         conn_id = next(self._conn_ids)
         peername = writer.get_extra_info("peername")
         source = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        agent: str | None = None
         try:
             self._admit(conn_id, source, writer)
             tenant, session = await self._handshake(reader, writer, peername)
             self._unauthenticated.pop(conn_id, None)
             if session is None:
                 return
-            region = self.memory.regions.get(tenant if self.pool.quotas is not None else "")
-            if region is None:
+            _first, num_slots = self.pool.ranges.get(tenant if self.pool.quotas is not None else "", (0, 0))
+            if num_slots == 0:
                 log.warning("refusing %s: tenant %r has no slots", peername, tenant)
                 return
             if len(self._connections) >= self.settings.max_connections:
@@ -281,8 +301,12 @@ class PeerServer:
                 return
             self._connections[conn_id] = writer
             self.counters.connections += 1
-            await self._welcome(writer, session, region)
-            await self._requests(conn_id, tenant, region.first_slot, session, reader, writer)
+            welcome = proto.Welcome(self.instance_id, self.pool.slot_bytes, num_slots)
+            await self._send(writer, session, proto.Msg.WELCOME, 0, proto.encode_welcome(welcome))
+            agent = await self._load_agent(conn_id, session, reader, writer, peername)
+            if agent is None:
+                return
+            await self._requests(conn_id, tenant, agent, session, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client left
         except proto.ProtocolError as exc:
@@ -298,6 +322,9 @@ class PeerServer:
             self.pool.drop_owner(conn_id)
             self._connections.pop(conn_id, None)
             self._unauthenticated.pop(conn_id, None)
+            if agent is not None and self._agents.get(agent) == conn_id:
+                del self._agents[agent]
+                self.memory.forget(agent)
             self._handlers.discard(task)
             writer.close()
 
@@ -350,64 +377,222 @@ class PeerServer:
             return tenant, None
         return tenant, proto.Session(granted, transcript, is_client=False)
 
-    async def _welcome(self, writer: asyncio.StreamWriter, session: proto.Session, region: Region) -> None:
-        """The tenant's own run of slots: its address, size and the metadata of it alone."""
-        welcome = proto.Welcome(
-            instance_id=self.instance_id,
-            slot_bytes=self.pool.slot_bytes,
-            num_slots=region.num_slots,
-            pool_addr=region.pool_addr,
-            probe_addr=region.probe_addr,
-            probe_len=proto.INSTANCE_ID_BYTES,
-            agent_metadata=region.metadata,
-        )
-        self._note_request()  # the client wires up and reads its probe next
-        writer.write(session.seal(proto.Msg.WELCOME, 0, proto.encode_welcome(welcome)))
+    async def _send(
+        self, writer: asyncio.StreamWriter, session: proto.Session, msg: proto.Msg, rid: int, payload: bytes
+    ) -> None:
+        writer.write(session.seal(msg, rid, payload))  # sealed and written in one step: in order
         await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+
+    async def _load_agent(
+        self,
+        conn_id: int,
+        session: proto.Session,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peername,
+    ) -> str | None:
+        """The client's NIXL agent, loaded once its metadata passed the shape check and its
+        probe bytes held this session's value (so the agent is the client's own, not another
+        engine's metadata replayed); ``None`` (close the connection, unanswered) otherwise."""
+        timeout = self.settings.handshake_timeout_s
+        frame = await asyncio.wait_for(proto.read_frame(reader, proto.MAX_FRAME, session), timeout)
+        if frame.type != proto.Msg.AGENT:
+            raise proto.ProtocolError(f"{frame.type.name} before AGENT")
+        probe_addr, metadata = proto.decode_agent(frame.payload)
+        try:
+            name = check_client_metadata(metadata, probe_addr, proto.PROBE_BYTES).name
+        except MetadataError as exc:
+            self.counters.agents_refused += 1
+            log.warning("closing %s: its NIXL metadata is refused: %s", peername, exc)
+            return None
+        if name in self._agents:
+            self.counters.agents_refused += 1
+            log.warning("closing %s: agent %s is another connection's", peername, name)
+            return None
+        self._agents[name] = conn_id
+        try:
+            loaded = await self.memory.load(metadata, timeout)
+            if loaded != name:
+                raise MetadataError(f"NIXL loaded agent {loaded!r}, the metadata names {name!r}")
+            got = await self.memory.read_probe(name, probe_addr, time.monotonic() + timeout)
+        except (MetadataError, TransferFailed, TimeoutError, Exception) as exc:
+            self.counters.agents_refused += 1
+            log.warning("closing %s: its NIXL agent cannot be used: %s", peername, exc)
+            del self._agents[name]
+            self.memory.forget(name)
+            return None
+        if not proto.macs_equal(session.probe_value, got):
+            self.counters.agents_refused += 1
+            log.warning("closing %s: its probe bytes do not hold this session's value", peername)
+            del self._agents[name]
+            self.memory.forget(name)
+            return None
+        await self._send(writer, session, proto.Msg.READY, 0, b"")
+        return name
 
     async def _requests(
         self,
         conn_id: int,
         tenant: str,
-        first_slot: int,
+        agent: str,
         session: proto.Session,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        while True:
-            frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
-            self._note_request()
-            reply = self._dispatch(conn_id, tenant, first_slot, frame)
-            if reply is not None:
-                writer.write(session.seal(*reply))
-                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+        """Serve requests until the client leaves; puts and gets run as tasks (at most
+        ``MAX_TRANSFERS_PER_CONNECTION`` at once), everything else in order. A connection
+        ends only once none of its transfers can still touch a slot."""
+        window = asyncio.Semaphore(MAX_TRANSFERS_PER_CONNECTION)
+        transfers: set[asyncio.Task] = set()
+        try:
+            while True:
+                frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
+                if frame.type in (proto.Msg.PUT, proto.Msg.GET):
+                    await window.acquire()
+                    task = asyncio.create_task(
+                        self._serve_transfer(conn_id, tenant, agent, frame, session, writer)
+                    )
+                    transfers.add(task)
+                    task.add_done_callback(lambda t: (transfers.discard(t), window.release()))
+                    continue
+                reply = self._dispatch(conn_id, tenant, frame)
+                if reply is not None:
+                    await self._send(writer, session, *reply)
+        finally:
+            if transfers:
+                await asyncio.gather(*transfers, return_exceptions=True)
 
-    def _dispatch(
-        self, conn: int, tenant: str, first: int, frame: proto.Frame
-    ) -> tuple[proto.Msg, int, bytes] | None:
-        """The reply to one request, unsealed (``None`` for the verbs that have none). Every
-        verb acts in ``tenant``'s namespace only; slots on the wire count from ``first``, the
-        tenant's run."""
+    async def _serve_transfer(
+        self, conn: int, tenant: str, agent: str, frame: proto.Frame, session: proto.Session, writer
+    ) -> None:
+        """One PUT or GET: the transfer, then the answer. A failed transfer is answered
+        ``TRANSFER_FAILED`` and closes the connection (the agent thread dropped the client's
+        agent when it gave the transfer up)."""
+        rid = frame.request_id
+        try:
+            keys, lengths, addrs, budget_ms = proto.decode_transfer(frame.payload)
+            deadline = time.monotonic() + budget_ms / 1000 - REPLY_MARGIN_S
+            if frame.type == proto.Msg.PUT:
+                reply = await self._put(conn, tenant, agent, keys, lengths, addrs, deadline)
+            else:
+                reply = await self._get(
+                    conn, tenant, agent, keys, lengths, addrs, deadline, (rid, session, writer)
+                )
+            await self._send(writer, session, *reply(rid))
+        except proto.ProtocolError as exc:
+            self.counters.protocol_errors += 1
+            log.warning("closing a connection: %s", exc)
+            writer.close()
+        except PoolLimitError as exc:
+            with contextlib.suppress(Exception):
+                await self._send(writer, session, *_error(rid, proto.ErrorCode.LIMIT, str(exc)))
+        except TransferFailed as exc:
+            self.counters.transfers_failed += 1
+            log.warning("a transfer for agent %s failed: %s; closing its connection", agent, exc)
+            with contextlib.suppress(Exception):
+                await self._send(writer, session, *_error(rid, proto.ErrorCode.TRANSFER_FAILED, str(exc)))
+            writer.close()
+        except (ConnectionError, TimeoutError):
+            writer.close()
+
+    async def _put(
+        self,
+        conn: int,
+        tenant: str,
+        agent: str,
+        keys: list[bytes],
+        lengths: list[int],
+        addrs: list[int],
+        deadline: float,
+    ):
+        """Allocate slots for the keys not stored yet and READ those rows into them."""
+        alloc_id, slots = self.pool.allocate(conn, keys, lengths, tenant=tenant)
+        landed = [proto.Landed.EXISTS if s == proto.EXISTS else proto.Landed.REFUSED for s in slots]
+        reads = [i for i, s in enumerate(slots) if s < proto.EXISTS]
+        if reads:
+            try:
+                await self.memory.transfer(
+                    "READ",
+                    agent,
+                    [self.memory.slot_addr(slots[i]) for i in reads],
+                    [addrs[i] for i in reads],
+                    [lengths[i] for i in reads],
+                    deadline,
+                )
+            except BaseException:
+                self.pool.abort(conn, alloc_id)
+                raise
+            for i in reads:
+                landed[i] = proto.Landed.READ
+        payload = proto.encode_landed(alloc_id if reads else 0, landed)
+        return lambda rid: (proto.Msg.LANDED, rid, payload)
+
+    async def _get(
+        self,
+        conn: int,
+        tenant: str,
+        agent: str,
+        keys: list[bytes],
+        lengths: list[int],
+        addrs: list[int],
+        deadline: float,
+        channel: tuple[int, proto.Session, asyncio.StreamWriter],
+    ):
+        """WRITE the rows stored under the keys (with the length the client asks for) into
+        the client's rows, a PART frame on ``channel`` (request id, session, writer) as each
+        part lands; the slots stay leased until the WRITE is over."""
+        rid, session, writer = channel
+        lease_id, entries = self.pool.lookup(conn, keys, tenant)
+        headers: list[bytes | None] = [None] * len(keys)
+        try:
+            writes = []
+            for i, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                header = RowHeader.unpack(entry[1])
+                if header is not None and header.row_length == lengths[i]:
+                    writes.append(i)
+            if writes:
+                parts = _cut(writes, lengths, GET_PART_BYTES)
+                loop = asyncio.get_running_loop()
+
+                def landed(k: int) -> None:  # on the agent's thread: tell the client from the loop
+                    loop.call_soon_threadsafe(send_part, k)
+
+                def send_part(k: int) -> None:
+                    if not writer.is_closing():
+                        writer.write(session.seal(proto.Msg.PART, rid, proto.encode_part(parts[k])))
+
+                await self.memory.transfer(
+                    "WRITE",
+                    agent,
+                    [self.memory.slot_addr(entries[i][0]) for i in writes],  # type: ignore[index]
+                    [addrs[i] for i in writes],
+                    [lengths[i] for i in writes],
+                    deadline,
+                    part_sizes=[len(part) for part in parts],
+                    after=landed,
+                )
+                for i in writes:
+                    headers[i] = entries[i][1]  # type: ignore[index]
+        finally:
+            if lease_id:
+                self.pool.release(conn, lease_id)
+        payload = proto.encode_got(headers)
+        return lambda rid: (proto.Msg.GOT, rid, payload)
+
+    def _dispatch(self, conn: int, tenant: str, frame: proto.Frame) -> tuple[proto.Msg, int, bytes] | None:
+        """The reply to one request that moves no rows, unsealed (``None`` for PUT_ABORT).
+        Every verb acts in ``tenant``'s namespace only."""
         msg, rid, payload = proto.Msg, frame.request_id, frame.payload
         pool = self.pool
         try:
-            if frame.type == msg.PUT_ALLOC:
-                alloc_id, slots = pool.allocate(conn, *proto.decode_put_alloc(payload), tenant=tenant)
-                wire = [s - first if s < proto.EXISTS else s for s in slots]
-                return msg.ALLOCATED, rid, proto.encode_allocated(alloc_id, wire)
             if frame.type == msg.PUT_COMMIT:
                 alloc_id, headers = proto.decode_commit(payload)
                 stored = pool.commit(conn, alloc_id, headers)
                 return msg.COMMITTED, rid, proto.encode_flags(stored)
             if frame.type == msg.PUT_ABORT:
                 pool.abort(conn, proto.decode_id(payload))
-                return None
-            if frame.type == msg.GET:
-                lease_id, entries = pool.lookup(conn, proto.decode_keys(payload), tenant)
-                wire_entries = [(e[0] - first, e[1]) if e is not None else None for e in entries]
-                return msg.LEASED, rid, proto.encode_leased(lease_id, wire_entries)
-            if frame.type == msg.RELEASE:
-                pool.release(conn, proto.decode_id(payload))
                 return None
             if frame.type == msg.CONTAINS:
                 flags = pool.contains(proto.decode_keys(payload), tenant)
@@ -425,16 +610,29 @@ class PeerServer:
                 }
                 return msg.STATS_REPLY, rid, proto.encode_stats(stats)
         except UnknownAllocation:
-            return (
-                msg.ERROR,
-                rid,
-                proto.encode_error(proto.ErrorCode.UNKNOWN_ALLOCATION, "allocation expired or unknown"),
-            )
+            return _error(rid, proto.ErrorCode.UNKNOWN_ALLOCATION, "allocation expired or unknown")
         except PoolLimitError as exc:
-            return msg.ERROR, rid, proto.encode_error(proto.ErrorCode.LIMIT, str(exc))
+            return _error(rid, proto.ErrorCode.LIMIT, str(exc))
         except ValueError as exc:  # well-formed but inconsistent (a header count)
-            return msg.ERROR, rid, proto.encode_error(proto.ErrorCode.BAD_REQUEST, str(exc))
+            return _error(rid, proto.ErrorCode.BAD_REQUEST, str(exc))
         raise proto.ProtocolError(f"{frame.type.name} is not a request")
+
+
+def _cut(indexes: list[int], lengths: list[int], part_bytes: int) -> list[list[int]]:
+    """``indexes`` in runs of about ``part_bytes`` of rows (one row at least)."""
+    parts: list[list[int]] = [[]]
+    size = 0
+    for i in indexes:
+        if size >= part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(i)
+        size += lengths[i]
+    return parts
+
+
+def _error(rid: int, code: proto.ErrorCode, text: str) -> tuple[proto.Msg, int, bytes]:
+    return proto.Msg.ERROR, rid, proto.encode_error(code, text)
 
 
 # -- command line ---------------------------------------------------------------------------

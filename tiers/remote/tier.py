@@ -13,9 +13,13 @@ requests (more than ``keys_per_request`` keys) keeps two of them in flight: one'
 travel while the other's rows move.
 
 Every call has one deadline (``deadline_s``, default 2 s) covering the control messages and
-the transfers. A peer that fails within it (no answer in time, a closed connection, a
-failed transfer) is marked down (``membership``): its keys keep whatever result they had (a
-miss, a failed put) or go to their next owner; a refused request fails only its own keys.
+the transfers (the peer is told the time left and ends its transfer by then). A peer that
+fails within it (no answer in time, a closed connection, a failed transfer) is marked down
+(``membership``): its keys keep whatever result they had (a miss, a failed put) or go to
+their next owner; a refused request fails only its own keys. A get that a peer did not
+answer may still have bytes on their way into the caller's rows: the call then raises
+``RowsAbandoned`` with its per-row results, and those rows are never reused
+(``data_plane``).
 
 Keys on the wire are ``namespace + key``: the namespace (a digest that includes the tenant
 salt) keeps engines that must not share rows apart. Tenants are kept apart by the peer
@@ -23,8 +27,9 @@ itself: the client claims ``tenant`` in its handshake, the peer accepts the clai
 the token grants it, and keeps each tenant's rows in its own namespace and quota
 (``tiers/remote/pool.py``).
 
-Threads: the coroutines run on the caller's event loop; NIXL runs on the agent's own
-thread, checksums on the thread beside it. ``may_contain`` and ``stats``
+Threads: the coroutines run on the caller's event loop; the NIXL agent on its own thread
+(which progresses the worker while a peer moves rows: ``AgentThread.incoming``), checksums
+on the loop's executor. ``may_contain`` and ``stats``
 only read plain dicts and ints, so the scheduler may call them from its thread.
 """
 
@@ -40,13 +45,13 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import replace
 from functools import partial
 
-from tiers.base import LowerTier, Row, TierError
+from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 from tiers.remote.client import PeerRefused, PeerTimeout, PeerUnavailable
-from tiers.remote.data_plane import DataPlane
+from tiers.remote.data_plane import DataPlane, GetAbandoned
 from tiers.remote.membership import Link, Membership, Peer
 from tiers.remote.nixl_agent import GRACE_S, AgentThread, TransferError, TransferTimeout
 from tiers.remote.protocol import MAX_KEYS, valid_tenant
-from tiers.remote.routing import batches, group_by_owner, rendezvous_owner, wire_keys
+from tiers.remote.routing import batches, batches_by_bytes, group_by_owner, rendezvous_owner, wire_keys
 from tiers.remote.stats import RemoteStats
 from tiers.row_format import served_layouts
 from tiers.settings import RemoteSettings
@@ -56,7 +61,7 @@ __all__ = ["RemoteTier", "rendezvous_owner"]
 
 log = logging.getLogger(__name__)
 
-_REQUESTS_IN_FLIGHT = 2  # per peer, when a call needs several control requests
+_REQUESTS_IN_FLIGHT = 2  # per peer, when a call needs several requests
 _AGENT_START_S = 30.0
 
 
@@ -75,9 +80,9 @@ class RemoteTier(LowerTier):
     owner converts from). ``token``: the secret this client proves to the peers (``None``:
     peers started without one), read from ``settings.token_file`` by whoever builds the
     tier. ``backoff_s``/``max_backoff_s``: how long a failed peer rests before it is tried
-    again (doubling per failure). ``transfer_bytes``: rows per NIXL request are cut at about
-    this many bytes (at least one row; one descriptor per row). ``keys_per_request``: keys
-    per control message (the protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many
+    again (doubling per failure). ``transfer_bytes``: rows per request (one transfer of the
+    peer's) are cut at about this many bytes (at least one row). ``keys_per_request``: keys
+    per control message at most (the protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many
     stored keys ``may_contain`` remembers.
     """
 
@@ -93,7 +98,7 @@ class RemoteTier(LowerTier):
         token: bytes | None = None,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
-        transfer_bytes: int = 2 << 20,
+        transfer_bytes: int = 4 << 20,
         keys_per_request: int = 1024,
         max_tracked_keys: int = 1 << 20,
         readable_layouts: Collection[bytes] = (),
@@ -136,7 +141,13 @@ class RemoteTier(LowerTier):
             deadline_s=deadline_s,
             backoff=Backoff(backoff_s, max_backoff_s),
         )
-        self._data = DataPlane(self.layout_id, self.layouts, self._stats, transfer_bytes=transfer_bytes)
+        self._data = DataPlane(
+            self.layout_id,
+            self.layouts,
+            self._stats,
+            transfer_bytes=transfer_bytes,
+            checksum_thread=checksum_thread,
+        )
         self._agent: AgentThread | None = None
         self._host = HostRegion(0, 0)
         self._registrations: list = []
@@ -144,7 +155,7 @@ class RemoteTier(LowerTier):
 
     @property
     def transfer_bytes(self) -> int:
-        """Rows per NIXL request are cut at about this many bytes (``data_plane``)."""
+        """Rows per request are cut at about this many bytes (``data_plane``)."""
         return self._data.transfer_bytes
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -156,9 +167,7 @@ class RemoteTier(LowerTier):
         missing or read-only host buffer, or a NIXL agent that cannot start, is.
         """
         self._host = HostRegion.of(host_buffer, "remote")
-        self._agent = AgentThread(
-            f"kvtier-remote-{os.getpid()}-{uuid.uuid4().hex[:8]}", after_thread=self.checksum_thread
-        )
+        self._agent = AgentThread(f"kvtier-remote-{os.getpid()}-{uuid.uuid4().hex[:8]}", after_thread=False)
         scratch = self._members.scratch
         try:
             await self._agent.start(_AGENT_START_S)
@@ -170,17 +179,18 @@ class RemoteTier(LowerTier):
                 await self._agent.call(lambda a, r=r: a.register_memory([r], "DRAM"), _AGENT_START_S)
                 for r in regions
             ]
+            metadata = await self._agent.call(lambda a: a.get_agent_metadata(), _AGENT_START_S)
         except Exception as exc:
             self._agent.close()
             raise TierError(f"remote tier: cannot start a NIXL agent: {exc}") from exc
-        self._members.attach(self._agent)
+        self._members.attach(self._agent, metadata)
         self._data.attach(self._agent)
         await self._members.connect_all()
         up = self._members.up_addresses()
         log.info("remote tier: %d of %d peers up %s", len(up), len(self._members.peers), up)
 
     async def close(self) -> None:
-        names = await self._members.disconnect(GRACE_S)
+        await self._members.disconnect(GRACE_S)
         if self._agent is not None:
             agent, self._agent = self._agent, None
             self._members.attach(None)
@@ -188,9 +198,6 @@ class RemoteTier(LowerTier):
             registrations, self._registrations = self._registrations, []
 
             def teardown(a) -> None:
-                for name in names:
-                    with contextlib.suppress(Exception):
-                        a.remove_remote_agent(name)
                 for reg in registrations:
                     with contextlib.suppress(Exception):
                         a.deregister_memory(reg)
@@ -198,7 +205,6 @@ class RemoteTier(LowerTier):
             with contextlib.suppress(Exception):
                 await agent.call(teardown, GRACE_S * 4)
             await asyncio.to_thread(agent.close)
-        self._members.forget_agents()
 
     # -- the LowerTier verbs ----------------------------------------------------------------
 
@@ -228,15 +234,21 @@ class RemoteTier(LowerTier):
         return stored
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
-        """READ rows into the buffers; ``layouts``, when given, receives each hit's layout id."""
+        """Have the owners WRITE the rows into the buffers; ``layouts``, when given, receives
+        each hit's layout id. ``RowsAbandoned`` (with the per-row results) when an owner did not
+        answer: the rows that are not hits must never be reused."""
         served: list[bytes | None] = [None] * len(rows)
-        loaded = await self._by_parts(rows, partial(self._data.get_part, served=served))
+        abandoned: list[str] = []
+        loaded = await self._by_parts(rows, partial(self._data.get_part, served=served), abandoned)
         if layouts is not None:
             for i, hit in enumerate(loaded):
                 layouts[i] = served[i] if hit else None
         hits = sum(loaded)
         self._stats.hits += hits
         self._stats.misses += len(rows) - hits
+        if abandoned:
+            self._stats.abandoned += 1
+            raise RowsAbandoned(f"remote get: no answer from {', '.join(sorted(set(abandoned)))}", loaded)
         return loaded
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -289,21 +301,37 @@ class RemoteTier(LowerTier):
 
     # -- one call, per owner ----------------------------------------------------------------
 
-    async def _by_parts(self, rows: Sequence[Row], run_part: Callable[..., Awaitable[None]]) -> list[bool]:
-        """Run ``run_part`` on each owner's keys, ``keys_per_request`` at a time; a flag per row."""
+    async def _by_parts(
+        self,
+        rows: Sequence[Row],
+        run_part: Callable[..., Awaitable[None]],
+        abandoned: list[str] | None = None,
+    ) -> list[bool]:
+        """Run ``run_part`` on each owner's keys, a request per ``transfer_bytes`` of rows (and
+        at most ``keys_per_request`` keys); a flag per row. The address of each owner whose
+        part raised ``GetAbandoned`` goes into ``abandoned``."""
         deadline = self._deadline()
         done = [False] * len(rows)
         wire = wire_keys(self.namespace, [key for key, _ in rows])
         views, addrs = self._host.rows(rows)  # a row outside the host buffer fails here
+        sizes = [len(view) for view in views]
 
         async def on_owner(link: Link, idxs: list[int]) -> None:
-            parts = batches(idxs, self.keys_per_request)
+            try:
+                await on_parts(
+                    link, batches_by_bytes(idxs, sizes, self.transfer_bytes, self.keys_per_request)
+                )
+            except GetAbandoned:
+                if abandoned is not None:
+                    abandoned.append(link.peer.address)
+                raise
+
+        async def on_parts(link: Link, parts: list[list[int]]) -> None:
             if len(parts) == 1:
                 await run_part(link, parts[0], wire, views, addrs, done, deadline)
                 return
-            # Two requests in flight, so one's control messages travel while the other's rows
-            # move. Every one runs to its end (a READ may not outlive the call) before the
-            # first error is raised.
+            # Two requests in flight, so the peer moves one's rows while this client hashes the
+            # other's. Every one runs to its end before the first error is raised.
             window = asyncio.Semaphore(_REQUESTS_IN_FLIGHT)
 
             async def one(part: list[int]) -> None:
@@ -311,9 +339,9 @@ class RemoteTier(LowerTier):
                     await run_part(link, part, wire, views, addrs, done, deadline)
 
             outcomes = await asyncio.gather(*(one(part) for part in parts), return_exceptions=True)
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
+            errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if errors:  # an abandoned get first: the caller must learn of it
+                raise next((e for e in errors if isinstance(e, GetAbandoned)), errors[0])
 
         await self._per_owner(wire, on_owner)
         return done
