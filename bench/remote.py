@@ -208,7 +208,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
             namespace=os.urandom(16),
             layout_id=b"bench-remote-v1\0",
             token=token_file.read_bytes().strip(),
-            transfer_bytes=args.transfer_bytes,
+            **({"transfer_bytes": args.transfer_bytes} if args.transfer_bytes else {}),
         )
         await tier.open(view)
         if not tier.peers_up():
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transfer-bytes",
         type=parse_size,
-        default=2 << 20,
-        help="the tier's bytes per NIXL request (2MiB)",
+        default=None,
+        help="the tier's bytes of rows per request (the tier's default)",
     )
     parser.add_argument(
         "--checksum-thread",

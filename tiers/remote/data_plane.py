@@ -97,7 +97,7 @@ class DataPlane:
             return
         hashing = self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in eligible])
         try:
-            with agent.incoming():
+            with agent.incoming(fast=not link.peer.on_this_host):
                 alloc_id, landed = await client.put(
                     [wire[i] for i in eligible],
                     [len(views[i]) for i in eligible],
@@ -155,7 +155,7 @@ class DataPlane:
             hashed[len(parts) - 1] = self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in rows])
 
         try:
-            with agent.incoming():
+            with agent.incoming(fast=not link.peer.on_this_host):
                 headers = await link.client.get(
                     [wire[i] for i in idxs],
                     [len(views[i]) for i in idxs],

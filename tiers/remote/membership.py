@@ -27,6 +27,7 @@ import numpy as np
 
 from tiers.address import Address
 from tiers.remote.client import Announcement, PeerClient
+from tiers.remote.net_iface import interface_of
 from tiers.remote.nixl_agent import AgentThread
 from tiers.remote.protocol import DEFAULT_TENANT, PROBE_BYTES, Welcome
 from tiers.remote.routing import peer_seed
@@ -48,6 +49,7 @@ class Peer:
     port: int
     seed: int
     scratch_offset: int
+    on_this_host: bool = False  # its transfers are CMA copies: they need no fast progress here
     client: PeerClient | None = None
     failures: int = 0
     retry_at: float = 0.0
@@ -92,7 +94,9 @@ class Membership:
         self.peers: list[Peer] = []
         for i, address in enumerate(addresses):  # parsed already (RemoteSettings.peers)
             text = str(address)
-            self.peers.append(Peer(text, address.host, address.port, peer_seed(text), i * SCRATCH_PER_PEER))
+            peer = Peer(text, address.host, address.port, peer_seed(text), i * SCRATCH_PER_PEER)
+            peer.on_this_host = interface_of(address.host) is not None
+            self.peers.append(peer)
         self.scratch = np.zeros(len(self.peers) * SCRATCH_PER_PEER, dtype=np.uint8)
         self.token = token
         self.tenant = tenant

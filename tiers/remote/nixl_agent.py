@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _POLL_MAX_SLEEP_S = 1e-3
+_FAST_INCOMING_SLEEP_S = 20e-6
+"""While a peer on another host moves rows into or out of this agent's memory (UCX TCP: the
+bytes land only as the target's worker is progressed, and each progress call takes a bounded
+amount), the worker is progressed about this often."""
 # The after-thread helps only where it runs beside the agent's thread, not instead of it.
 # A call whose copies all ran inside ``transfer()`` (CMA) while the agent's thread was on a
 # CPU less than ``_BESIDE_MIN_CPU`` of the time (set aside for the after-thread or for other
@@ -172,9 +176,10 @@ class _Transfer:
 @dataclass(frozen=True)
 class _Incoming:
     """A job: one more (``+1``) or one fewer (``-1``) transfer of another agent into this one's
-    memory is awaited (``AgentThread.incoming``)."""
+    memory is awaited (``AgentThread.incoming``); ``fast``: it needs frequent progress."""
 
     delta: int
+    fast: bool
 
 
 _STOP = object()
@@ -239,19 +244,19 @@ class AgentThread:
         return await asyncio.wait_for(asyncio.wrap_future(self.submit(fn)), timeout)
 
     @contextlib.contextmanager
-    def incoming(self) -> Iterator[None]:
-        """While inside, progress the agent's worker (backing off from a few microseconds to
-        ``_POLL_MAX_SLEEP_S``): another agent (a peer) is READing or WRITing this one's
-        registered memory, and the transport's wire-up, and over UCX TCP the bytes themselves,
-        move only when the target's worker is progressed. (Over CMA the peer's kernel call
-        moves them; measured on 2 cores, waking every 100 us instead cost the peer's copies up
-        to half their speed.) Outside, an agent with nothing of its own in flight sleeps on its
-        queue and costs nothing."""
-        self._jobs.put(_Incoming(+1))
+    def incoming(self, fast: bool = True) -> Iterator[None]:
+        """While inside, progress the agent's worker: another agent (a peer) is READing or
+        WRITing this one's registered memory, and the transport's wire-up, and over UCX TCP the
+        bytes themselves, move only when the target's worker is progressed. ``fast`` (a peer
+        on another host): every ``_FAST_INCOMING_SLEEP_S``; otherwise (a peer on this host,
+        whose CMA kernel call moves the bytes) backing off to ``_POLL_MAX_SLEEP_S``, because
+        frequent wake-ups here slowed the peer's copies on a 2-core machine. Outside, an agent
+        with nothing of its own in flight sleeps on its queue and costs nothing."""
+        self._jobs.put(_Incoming(+1, fast))
         try:
             yield
         finally:
-            self._jobs.put(_Incoming(-1))
+            self._jobs.put(_Incoming(-1, fast))
 
     def transfer(
         self,
@@ -315,6 +320,7 @@ class AgentThread:
         self._ready.set_result(None)
         inflight: list[_Transfer] = []
         incoming = 0  # transfers of other agents into our memory being awaited
+        fast = 0  # of them, those that need frequent progress
         sleep_s = 0.0
         while True:
             try:
@@ -326,6 +332,7 @@ class AgentThread:
             try:
                 if isinstance(job, _Incoming):
                     incoming = max(0, incoming + job.delta)
+                    fast = max(0, fast + job.delta) if job.fast else fast
                     job, sleep_s = None, 0.0
                 elif job is not None:
                     self._start(job, inflight)
@@ -335,7 +342,8 @@ class AgentThread:
                     quietly(self._agent.get_new_notifs)  # type: ignore[union-attr]
                 if (inflight or incoming) and not progressed and job is None:
                     time.sleep(sleep_s)
-                    sleep_s = min(max(sleep_s * 2, 10e-6), _POLL_MAX_SLEEP_S)
+                    cap = _FAST_INCOMING_SLEEP_S if fast else _POLL_MAX_SLEEP_S
+                    sleep_s = min(max(sleep_s * 2, 10e-6), cap)
             except Exception:  # a bug here must not leave any waiter hanging
                 log.exception("NIXL agent %s: failing the transfers in flight", self.name)
                 stranded = [*inflight, *(job.parts if isinstance(job, _Batch) else ())]
