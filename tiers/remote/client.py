@@ -95,7 +95,6 @@ class PeerClient:
         self._writer = writer
         self._on_lost = on_lost
         self._pending: dict[int, asyncio.Future[proto.Frame]] = {}
-        self._parts: dict[int, Callable[[bytes], None]] = {}  # request id -> its PART handler
         self._next_id = 0
         self.closed = False
         self._reading = asyncio.create_task(self._read_replies(), name=f"kvtier-peer-{address}")
@@ -197,30 +196,17 @@ class PeerClient:
         self._send(proto.Msg.PUT_ABORT, proto.encode_id(alloc_id))
 
     async def get(
-        self,
-        keys: Sequence[bytes],
-        lengths: Sequence[int],
-        addrs: Sequence[int],
-        deadline: float,
-        on_part: Callable[[list[int]], None] | None = None,
+        self, keys: Sequence[bytes], lengths: Sequence[int], addrs: Sequence[int], deadline: float
     ) -> list[bytes | None]:
-        """Have the peer WRITE the rows it holds into ``addrs``: per key the row's header, or
-        ``None`` for a miss. ``on_part(indexes)`` is called (on the loop) as each part of the
-        WRITE lands. Only the reply means the peer's WRITE is over: after any exception it may
-        still be writing (the caller must not reuse those rows)."""
-        parts = None
-        if on_part is not None:
-            n = len(keys)
-
-            def parts(payload: bytes) -> None:
-                on_part(self._decode(lambda p: proto.decode_part(p, n), payload))
-
+        """Have the peer WRITE the rows it holds into ``addrs``: per key the header of a row it
+        wrote and verified, or ``None`` for a miss. Only the reply means the peer's WRITE is
+        over: after any exception it may still be writing (the caller must not reuse those
+        rows)."""
         payload = await self._request(
             proto.Msg.GET,
             proto.encode_transfer(keys, lengths, addrs, _budget_ms(deadline)),
             proto.Msg.GOT,
             deadline,
-            parts,
         )
         headers = self._decode(proto.decode_got, payload)
         if len(headers) != len(keys):
@@ -254,23 +240,13 @@ class PeerClient:
 
     # -- internals ------------------------------------------------------------------------
 
-    async def _request(
-        self,
-        msg: proto.Msg,
-        payload: bytes,
-        reply: proto.Msg,
-        deadline: float,
-        on_part: Callable[[bytes], None] | None = None,
-    ) -> bytes:
-        """Send a request and wait for its reply; PART frames before it go to ``on_part``."""
+    async def _request(self, msg: proto.Msg, payload: bytes, reply: proto.Msg, deadline: float) -> bytes:
         if self.closed:
             raise PeerUnavailable(f"{self.address}: connection closed")
         self._next_id = self._next_id % 0xFFFFFFFF + 1
         request_id = self._next_id
         future: asyncio.Future[proto.Frame] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        if on_part is not None:
-            self._parts[request_id] = on_part
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 self._writer.write(self._session.seal(msg, request_id, payload))
@@ -283,7 +259,6 @@ class PeerClient:
             raise PeerUnavailable(f"{self.address}: {exc}") from exc
         finally:
             self._pending.pop(request_id, None)
-            self._parts.pop(request_id, None)
         if frame.type == proto.Msg.ERROR:
             code, text = self._decode(proto.decode_error, frame.payload)
             raise PeerRefused(code, text)
@@ -312,14 +287,6 @@ class PeerClient:
         try:
             while True:
                 frame = await proto.read_frame(self._reader, proto.MAX_FRAME, self._session)
-                if frame.type == proto.Msg.PART:
-                    on_part = self._parts.get(frame.request_id)
-                    if on_part is not None:
-                        try:
-                            on_part(frame.payload)
-                        except PeerUnavailable:
-                            return  # _decode broke the connection already
-                    continue
                 future = self._pending.get(frame.request_id)
                 if future is not None and not future.done():
                     future.set_result(frame)

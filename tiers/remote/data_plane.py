@@ -9,12 +9,17 @@ client ever holds a key to a peer's memory (``tiers/remote/protocol.py``). Per o
   on a thread beside (``checksum_thread``); PUT_COMMIT with the row headers makes them
   visible. A key the peer holds already is not read again (keys name their content).
 - get: GET (keys, lengths, row addresses) -> the peer WRITEs each row it holds with that
-  length into the caller's buffer and answers GOT with the rows' headers; each row is then
-  verified against its header (layout id, length, xxh3) before it counts as a hit. A row
-  that fails verification is a miss, never garbage.
+  length into the caller's buffer, verifies each row's bytes against the checksum its put
+  committed as the row leaves its slot (hashed right after the copy, while the bytes are in
+  cache: ``tiers/remote/server.py``), and answers GOT with the headers of the rows that
+  passed; a row whose layout or length this client does not serve is a miss here. A row
+  that fails is a miss, never garbage. In flight, bytes are the transport's to keep (CMA
+  is a kernel copy; TCP and RDMA carry their own checks).
 
-Two requests per peer are in flight, so the peer moves one's rows while this client hashes
-the other's.
+Where the checksum is computed follows where the bytes are: a put's on this client (the
+source of truth, hashed while the peer reads), a get's on the peer (hashed in cache right
+after each part's copy). Two requests per peer are in flight, so the peer moves one's rows
+while this client handles the other's.
 
 A get's rows are safe to reuse only once the peer answered: its WRITE is over then. A get
 that ends any other way (no answer by the deadline, a closed connection, a failed
@@ -143,25 +148,14 @@ class DataPlane:
         served: list[bytes | None],
     ) -> None:
         """Have ``link``'s peer WRITE rows ``idxs`` into their buffers; ``loaded[i]`` is set for
-        each row that landed and verified, ``served[i]`` to its layout id. Raises
-        ``GetAbandoned`` when the peer did not answer (its WRITE may still land)."""
+        each row that landed verified with a header this client serves, ``served[i]`` to its
+        layout id. Raises ``GetAbandoned`` when the peer did not answer (its WRITE may still
+        land)."""
         agent = self._live_agent()
-        hashed: dict[int, asyncio.Future[list[int]]] = {}  # first row of a part -> its checksums
-        parts: list[list[int]] = []
-
-        def on_part(indexes: list[int]) -> None:  # a part landed: hash it while the next moves
-            rows = [idxs[k] for k in indexes]
-            parts.append(rows)
-            hashed[len(parts) - 1] = self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in rows])
-
         try:
             with agent.incoming(fast=not link.peer.on_this_host):
                 headers = await link.client.get(
-                    [wire[i] for i in idxs],
-                    [len(views[i]) for i in idxs],
-                    [addrs[i] for i in idxs],
-                    deadline,
-                    on_part,
+                    [wire[i] for i in idxs], [len(views[i]) for i in idxs], [addrs[i] for i in idxs], deadline
                 )
         except PeerRefused as exc:
             if exc.code != ErrorCode.TRANSFER_FAILED:
@@ -172,7 +166,6 @@ class DataPlane:
                 self._stats.timeouts += 1
             raise GetAbandoned(str(exc)) from exc
         self._stats.transfers += 1
-        expected: dict[int, int] = {}  # row -> the checksum its header promises
         for i, raw in zip(idxs, headers, strict=True):
             if raw is None:
                 continue
@@ -182,33 +175,17 @@ class DataPlane:
                 self._stats.corrupt += 1
                 log.warning("peer %s: a row refused (%s): a miss", link.peer.address, why)
                 continue
-            expected[i] = header.checksum
+            loaded[i] = True
             served[i] = header.layout_id
-        if not expected:
-            return
-        self._stats.descriptors += len(expected)
-        self._stats.bytes_read += sum(len(views[i]) for i in expected)
-        sums: dict[int, int] = {}
-        for k, rows in enumerate(parts):  # hashed as their parts landed
-            sums.update(zip(rows, await hashed[k], strict=True))
-        late = [i for i in expected if i not in sums]  # a row no PART named: hash it now
-        if late:
-            late_sums = await self._hash(lambda: [checksum_at(views[i], addrs[i]) for i in late])
-            sums.update(zip(late, late_sums, strict=True))
-        for i in expected:
-            checksum = sums[i]
-            if checksum == expected[i]:
-                loaded[i] = True
-            else:
-                self._stats.corrupt += 1
-                log.warning("peer %s: a row failed its checksum: a miss", link.peer.address)
+            self._stats.descriptors += 1
+            self._stats.bytes_read += len(views[i])
 
     # -- checksums ------------------------------------------------------------------------
 
     def _hash(self, work: Callable[[], list[int]]) -> asyncio.Future[list[int]]:
-        """Checksum rows on a thread beside the event loop (the hash releases the GIL), so they
-        are hashed while the peer moves the rows of the other request in flight; with
-        ``checksum_thread`` off, right here."""
+        """Checksum a put's rows on a thread beside the event loop (the hash releases the GIL),
+        so they are hashed while the peer reads them; with ``checksum_thread`` off, right here
+        (before the request goes out)."""
         loop = asyncio.get_running_loop()
         if self.checksum_thread:
             self._stats.parts_checksummed_beside += 1

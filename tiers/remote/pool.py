@@ -105,6 +105,7 @@ class PoolCounters(Stats):
     rows_hit: int = 0
     rows_missed: int = 0
     rows_deleted: int = 0
+    rows_corrupt: int = 0  # rows whose bytes no longer matched their checksum when served: dropped
     evictions: int = 0
     allocs_expired: int = 0  # PUT_ALLOCs never committed nor aborted in time
     leases_expired: int = 0  # GET leases never released in time
@@ -321,6 +322,13 @@ class PeerPool:
         for counters in self._counted(tenant):
             counters.rows_deleted += deleted
         return deleted
+
+    def drop_corrupt(self, keys: Sequence[bytes], tenant: str = "") -> None:
+        """Forget rows whose bytes failed their checksum when served (counted, not as deletions)."""
+        dropped = self.delete(keys, tenant)
+        for counters in self._counted(tenant):
+            counters.rows_deleted -= dropped
+            counters.rows_corrupt += dropped
 
     def drop_owner(self, owner: int) -> None:
         """A connection closed: its pending writes and its reads are over."""

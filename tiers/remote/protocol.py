@@ -49,9 +49,7 @@ readable on the wire (rows move by NIXL, outside this channel).
 
 Requests carry a request id chosen by the client; the reply to a request carries the
 same id, so one connection serves many concurrent calls, and the peer may answer them in
-any order. ``PUT_ABORT`` has no reply. A GET's WRITE is cut into parts; as each lands the
-peer sends PART (same id: the indexes of the keys whose rows are in), so the client
-verifies those rows while the next part moves; GOT, with the headers, ends the GET.
+any order. ``PUT_ABORT`` has no reply.
 ``PUT`` and ``GET`` carry the time the client still waits (``budget_ms``): the peer's
 transfer for them ends by then, done or failed.
 """
@@ -141,7 +139,6 @@ class Msg(IntEnum):
     PUT_ABORT = 14
     GET = 20
     GOT = 21
-    PART = 22
     CONTAINS = 30
     CONTAINED = 31
     DELETE = 40
@@ -504,27 +501,13 @@ def decode_id(payload: bytes) -> int:
 
 
 def encode_got(headers: Sequence[bytes | None]) -> bytes:
-    """GOT: per key the header of the row the peer wrote into the client's memory, or ``None``
-    for a miss (not stored, or stored with another length than the client's row)."""
+    """GOT: per key the header of the row the peer wrote into the client's memory and verified
+    against it, or ``None`` for a miss (not stored, stored with another length than the
+    client's row, or failing its checksum)."""
     parts = [_LEN.pack(len(headers))]
     for header in headers:
         parts.append(b"\x00" if header is None else b"\x01" + header)
     return b"".join(parts)
-
-
-def encode_part(indexes: Sequence[int]) -> bytes:
-    """PART: the indexes (into the GET's keys) of rows the peer has written so far."""
-    return _LEN.pack(len(indexes)) + struct.pack(f"<{len(indexes)}I", *indexes)
-
-
-def decode_part(payload: bytes, keys: int) -> list[int]:
-    """PART's indexes, each checked against the ``keys`` of its GET."""
-    r = _Reader(payload)
-    indexes = r.u32s(r.count(MAX_KEYS, 4))
-    r.end()
-    if any(i >= keys for i in indexes):
-        raise ProtocolError("a PART index beyond its GET's keys")
-    return indexes
 
 
 def decode_got(payload: bytes) -> list[bytes | None]:

@@ -81,7 +81,9 @@ class RemoteTier(LowerTier):
     peers started without one), read from ``settings.token_file`` by whoever builds the
     tier. ``backoff_s``/``max_backoff_s``: how long a failed peer rests before it is tried
     again (doubling per failure). ``transfer_bytes``: rows per request (one transfer of the
-    peer's) are cut at about this many bytes (at least one row). ``keys_per_request``: keys
+    peer's) are cut at about this many bytes (at least one row): few and large, because each
+    request costs a round trip and several thread hand-offs (measured on the 2-core VM: 16 MiB
+    requests ran at two thirds of the speed of 64 MiB ones). ``keys_per_request``: keys
     per control message at most (the protocol allows ``MAX_KEYS``). ``max_tracked_keys``: how many
     stored keys ``may_contain`` remembers.
     """
@@ -98,7 +100,7 @@ class RemoteTier(LowerTier):
         token: bytes | None = None,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
-        transfer_bytes: int = 4 << 20,
+        transfer_bytes: int = 64 << 20,
         keys_per_request: int = 1024,
         max_tracked_keys: int = 1 << 20,
         readable_layouts: Collection[bytes] = (),
