@@ -40,14 +40,21 @@ class MasterProcess:
 
     ``lease_ms``: how long an object stays unevictable after a put or a get (the master's
     default, 10 s, makes eviction slow to observe). ``preexec_fn``: run in the child before
-    the binary (e.g. to die with the parent).
+    the binary (e.g. to die with the parent). ``host``: the address its RPC port is bound to
+    (another one of this machine's, or of a network namespace's, to be reached off the loopback).
     """
 
     def __init__(
-        self, log_path: Path, *, lease_ms: int = 300, preexec_fn: Callable[[], None] | None = None
+        self,
+        log_path: Path,
+        *,
+        lease_ms: int = 300,
+        preexec_fn: Callable[[], None] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.log_path = log_path
         self.lease_ms = lease_ms
         self.preexec_fn = preexec_fn
@@ -58,7 +65,7 @@ class MasterProcess:
         args = [
             str(master_binary()),
             f"--rpc_port={self.port}",
-            "--rpc_address=127.0.0.1",
+            f"--rpc_address={self.host}",
             "--metrics_host=127.0.0.1",
             f"--metrics_port={free_port()}",
             f"--default_kv_lease_ttl={self.lease_ms}",
@@ -72,7 +79,7 @@ class MasterProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}):\n{self.log()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.2):
                 return
             time.sleep(0.05)
         self.close()

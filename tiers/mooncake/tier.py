@@ -56,8 +56,8 @@ every namespace among them; the namespace keeps tenants apart only from each oth
 *lookups*. And the transfer engine in this process listens on every interface, serving
 reads and writes of the memory registered with it (the segment, and the whole host tier)
 to whoever connects (``tiers.mooncake.listen``). So the tier ties those listeners to one interface after
-``setup`` (``listen_interface``: by default the one holding ``local_hostname``, the
-loopback unless configured) and a cluster must run on a private network: the tier's
+``setup`` (``listen_interface``: by default the one holding ``local_hostname``, i.e. the
+one on the route to the master) and a cluster must run on a private network: the tier's
 integrity checks (header, checksum) catch corrupted rows, not a hostile client.
 
 Threads: the coroutines run on the tier engine's event loop; the store's calls run on
@@ -83,6 +83,7 @@ import numpy as np
 
 from tiers.base import LowerTier, Row, TierError, TierStats
 from tiers.fast_checksum import checksum_at
+from tiers.mooncake import hostname as mooncake_hostname
 from tiers.mooncake import listen as mooncake_listen
 from tiers.row_format import HEADER_BYTES, RowHeader, served_layouts, verify
 from tiers.settings import MooncakeSettings
@@ -227,8 +228,10 @@ class MooncakeTier(LowerTier):
     this process mounts into the store's pool (at least 16 MiB; 0: a client that only uses
     others' memory). ``local_buffer_bytes``: the client's own transfer buffer (rows bypass it; at least 16 MiB
     is what the store allocates by default). ``protocol``: ``"tcp"`` or ``"rdma"`` (with
-    ``device_name``). ``local_hostname``: the address other clients reach this one's segment
-    at. ``listen_interface``: the interface (a name, or an address it holds) that this
+    ``device_name``). ``local_hostname``: the address other clients reach this one's
+    segment at (``""``: this machine's address on the route to the master; a loopback one
+    is refused while the master is elsewhere: ``tiers.mooncake.hostname``).
+    ``listen_interface``: the interface (a name, or an address it holds) that this
     client's listeners accept connections on; ``""``: the one holding ``local_hostname``;
     ``"*"``: every interface, Mooncake's own behaviour (see the module docstring: reaching
     them is reaching the host tier's memory). ``replicas``: copies of each object.
@@ -276,7 +279,7 @@ class MooncakeTier(LowerTier):
         self.local_buffer_bytes = settings.local_buffer_bytes
         self.protocol = settings.protocol
         self.device_name = settings.device_name
-        self.local_hostname = settings.local_hostname
+        self.local_hostname = settings.local_hostname  # at open: the address others are told
         self.listen_interface = listen_interface
         self.listening_on = ""  # the interface the listeners were tied to, at open
         self.replicas = replicas
@@ -312,6 +315,7 @@ class MooncakeTier(LowerTier):
         self._host = HostRegion.of(host_buffer, "mooncake")
         self._headers = _HeaderSlots(self.max_rows_in_flight)
         self._workers = _Workers(self.threads, "kvtier-mooncake")
+        await self._choose_hostname()
         # The store's ``setup`` holds the GIL while it retries an absent master (90 s): every
         # thread of the process would stop. Knock on the master's port first.
         if not await self._master_reachable(self.open_timeout_s):
@@ -331,12 +335,27 @@ class MooncakeTier(LowerTier):
             raise
         self._store = store
         log.info(
-            "mooncake tier: joined master %s (metadata %s, %s), segment %.0f MiB",
+            "mooncake tier: joined master %s as %s (metadata %s, %s), segment %.0f MiB",
             self.master,
+            self.local_hostname,
             self.metadata_server,
             self.protocol,
             self.segment_bytes / (1 << 20),
         )
+
+    async def _choose_hostname(self) -> None:
+        """Settle ``local_hostname`` (``tiers.mooncake.hostname``) before anything joins: a
+        loopback address with a master elsewhere is a ``TierError`` naming the key. On a
+        store thread, as the master's name may need a DNS lookup."""
+        assert self._workers is not None
+        choose = partial(mooncake_hostname.advertised_hostname, self.settings.local_hostname, self.master)
+        try:
+            chosen = asyncio.wrap_future(self._workers.submit(choose))
+            self.local_hostname = await asyncio.wait_for(chosen, self.open_timeout_s)
+        except (ValueError, TimeoutError) as exc:
+            self._workers.close()
+            why = exc if isinstance(exc, ValueError) else f"resolving the master {self.master} timed out"
+            raise TierError(f"mooncake tier: {why}") from None
 
     def _setup_blocking(self, store: Any) -> None:
         from mooncake.store import ReplicateConfig
