@@ -6,6 +6,7 @@ each other with ``P2PHANDSHAKE``, so no HTTP metadata server runs (the master's 
 0.0.0.0 whatever its host flag says). ``restart`` brings a killed master back on the same
 port, as an operator would. Whoever starts a master must ``close()`` it. A production
 cluster runs its masters (with HA) itself; kvtier only needs their address.
+``StorageProcess`` runs Mooncake's storage-only client beside it (a storage host).
 """
 
 from __future__ import annotations
@@ -113,6 +114,63 @@ class MasterProcess:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class StorageProcess:
+    """One ``mooncake_client`` child: Mooncake's own storage-only client, which mounts a
+    ``segment_bytes`` segment of its memory into the pool of the master at ``master`` and
+    serves it at ``host`` (its ``local_hostname``). What a storage host runs in a cluster;
+    tests freeze (``stop``), resume and kill it. Whoever starts one must ``close()`` it."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        master: str,
+        *,
+        segment_bytes: int = 64 << 20,
+        host: str = "127.0.0.1",
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.port = free_port()  # its own service port: open once the segment is mounted
+        self.log_path = log_path
+        args = [
+            str(master_binary().parent / "mooncake_client"),
+            f"--host={host}",
+            f"--port={self.port}",
+            f"--global_segment_size={segment_bytes}",
+            "--local_buffer_size=16MB",
+            f"--master_server_address={master}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+        ]
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log, preexec_fn=preexec_fn)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n{self.log()}")
+            with contextlib.suppress(OSError), socket.create_connection((host, self.port), 0.2):
+                return
+            time.sleep(0.05)
+        self.close()
+        raise RuntimeError(f"mooncake_client did not come up:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        """Freeze it (SIGSTOP): its sockets stay open, and nothing answers on them."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(10)

@@ -8,7 +8,8 @@ on its own event loop in a background thread, with
 - a deadline on every operation: tiers keep their own (and must not touch a row after
   their call returns); the engine's is a safety net above it. An operation that overruns
   the safety net is reported failed and ``abandoned``: its thread may still be reading or
-  writing the rows, so the manager never reuses those host slots;
+  writing the rows, so the manager never reuses those host slots (so is a get the tier
+  itself gave up on, ``AbandonedRows``);
 - bounded in-flight work per tier (a slow tier backs up into refusals, not memory),
 - a result per key (``ok[i]``), so a partly failed batch loses only what failed.
 
@@ -31,7 +32,7 @@ from typing import TypeVar
 from offload.keys import key_group
 from offload.row_layout import RowConverter
 from offload.streams import single_threaded_torch
-from tiers.base import LowerTier, Row, TierError
+from tiers.base import AbandonedRows, LowerTier, Row, TierError
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,11 @@ class TierEngine:
                 kind.value,
                 len(keys),
                 self.safety_deadline_s,
+            )
+            ok, abandoned = [False] * len(keys), True
+        except AbandonedRows as exc:  # the tier returned, its transfer may still write the rows
+            log.warning(
+                "%s tier %s of %d rows abandoned: %s", self.tiers[tier].kind, kind.value, len(keys), exc
             )
             ok, abandoned = [False] * len(keys), True
         except Exception as exc:  # a failed operation: every key of it failed

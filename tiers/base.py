@@ -27,7 +27,9 @@ Call contract:
   its owner converts from); when ``layouts`` is given it receives each hit's layout id.
 - ``contains(keys)`` is the authoritative, possibly remote, check; ``may_contain(key)`` is
   a cheap local guess (exact for disk, "what this client put" for remote).
-- Every call finishes within the tier's deadline; ``close()`` releases everything.
+- Every call finishes within the tier's deadline (plus the slack the tier states); a
+  ``get`` that cannot stop its transfer in time raises ``AbandonedRows`` rather than wait;
+  ``close()`` releases everything.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ Row = tuple[bytes, memoryview]
 
 class TierError(RuntimeError):
     """A tier that cannot start (bad path, locked database, unreachable configuration)."""
+
+
+class AbandonedRows(RuntimeError):
+    """A ``get`` that returned at its deadline while the tier's transfer may still write the
+    rows' buffers (a store call nothing can stop, held up by one storage host): every row
+    of it is a miss, and the caller must never reuse those buffers (the tier engine reports
+    the operation ``abandoned``, and the manager quarantines the slots). The message names
+    the host at fault where the tier knows it."""
 
 
 @dataclass

@@ -74,6 +74,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -81,10 +82,11 @@ from typing import Any
 
 import numpy as np
 
-from tiers.base import LowerTier, Row, TierError, TierStats
+from tiers.base import AbandonedRows, LowerTier, Row, TierError, TierStats
 from tiers.fast_checksum import checksum_at
 from tiers.mooncake import hostname as mooncake_hostname
 from tiers.mooncake import listen as mooncake_listen
+from tiers.mooncake.faults import DropLog, SuspectHosts, bound_store_timeouts, replica_hosts
 from tiers.row_format import HEADER_BYTES, RowHeader, served_layouts, verify
 from tiers.settings import MooncakeSettings
 from tiers.shared import Backoff, HostRegion, KnownKeys
@@ -111,6 +113,32 @@ _VERIFIED = -1_000_001  # a get whose row passed its header and checksum
 _CORRUPT = -1_000_002  # a get whose row failed them
 _SKIPPED = -1_000_003  # a row the store was not asked about (down, or no header slot)
 _FOREIGN = -1_000_004  # a get whose row is sound but in a layout this reader cannot use
+_LATE = -1_000_005  # a call that missed its deadline (or was still queued then)
+_SKIPPED_HOST = -1_000_006  # a get of an object held only on a storage host that rests
+_NOT_ASKED = frozenset({_SKIPPED, _LATE, _SKIPPED_HOST})
+_STORED = frozenset({0, OBJECT_ALREADY_EXISTS})
+# Why a put's row was not stored, as DropLog reports it.
+_NO_SPACE = "no space in the store (-200)"
+_UNREACHABLE = "transfer failed (-800: a storage host unreachable)"
+_DROP_REASONS = {
+    NO_AVAILABLE_HANDLE: _NO_SPACE,
+    TRANSFER_FAIL: _UNREACHABLE,
+    RPC_FAIL: "master unreachable",
+    RPC_TIMEOUT: "master unreachable",
+    _SKIPPED: "not sent (master down, or too many rows in flight)",
+    _LATE: "past the deadline",
+}
+
+
+def _drop_reason(code: int) -> str:
+    return _DROP_REASONS.get(code, f"store error {code}")
+
+
+NO_SPACE_BUDGET = 0.5  # of the deadline, for putting again rows that found no room
+NO_SPACE_FIRST_WAIT_S = 0.002
+NO_SPACE_MAX_WAIT_S = 0.032
+NO_SPACE_MAX_STALLS = 6  # attempts in a row that store nothing: the store is not making room
+PROBE_NAMES = 64  # objects of a late call whose whereabouts the probe asks
 
 MIN_SEGMENT_BYTES = 16 << 20
 """The store refuses to mount a smaller segment (``setup`` answers -600)."""
@@ -123,15 +151,20 @@ class MooncakeStats(TierStats):
     """The Mooncake tier's counters and, in a ``stats()`` snapshot, its levels."""
 
     stored: int = 0
-    dropped: int = 0
-    full: int = 0  # puts the store refused for want of space (-200)
+    dropped: int = 0  # rows a put did not store, whatever the reason (logged by DropLog)
+    full: int = 0  # of them: the store had no room (-200), even after retries
+    unreachable: int = 0  # of them: the transfer to the storage host failed (-800)
+    stored_on_retry: int = 0  # rows stored by a retry after the store had no room for them
     hits: int = 0
     misses: int = 0
     absent: int = 0  # gets of objects the store does not hold (-704)
     mismatched: int = 0  # objects of another length or layout: misses, kept
     corrupt: int = 0
     errors: int = 0  # other codes of the store
-    timeouts: int = 0
+    timeouts: int = 0  # calls past their deadline (puts: their rows dropped; gets: missed)
+    abandoned: int = 0  # rows of gets given up on while the store's call still ran
+    host_faults: int = 0  # late calls the master answered for: a storage host at fault
+    skipped_host: int = 0  # rows of gets not asked for: held only on a resting storage host
     master_lost: int = 0
     recoveries: int = 0
     skipped_down: int = 0  # rows not asked about while the store was down
@@ -163,6 +196,8 @@ class _Workers:
 
     def __init__(self, count: int, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._unfinished: set[concurrent.futures.Future] = set()
+        self._lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(count)
         ]
@@ -171,8 +206,20 @@ class _Workers:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._unfinished.add(future)
+        future.add_done_callback(self._finished)
         self._queue.put((future, fn, args))
         return future
+
+    def unfinished(self) -> list[concurrent.futures.Future]:
+        """Calls queued or running now (a late call past its deadline among them)."""
+        with self._lock:
+            return list(self._unfinished)
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._unfinished.discard(future)
 
     def close(self) -> None:
         """Let every thread end once the work queued before this is done (no join)."""
@@ -253,6 +300,8 @@ class MooncakeTier(LowerTier):
         open_timeout_s: float = 15.0,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
+        late_get_grace_s: float | None = None,
+        probe_timeout_s: float | None = None,
         threads: int = 2,
         max_rows_in_flight: int = 16384,
         max_tracked_keys: int = 1 << 20,
@@ -288,6 +337,16 @@ class MooncakeTier(LowerTier):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._backoff = Backoff(backoff_s, max_backoff_s)
+        # A late get waits this long for the store's own timeouts to end it (then: abandoned).
+        self.late_get_grace_s = min(1.0, deadline_s) if late_get_grace_s is None else late_get_grace_s
+        self.probe_timeout_s = min(1.0, deadline_s) if probe_timeout_s is None else probe_timeout_s
+        # A storage host a call overran on rests at least two deadlines (the store's own
+        # timeouts end the late call meanwhile), doubling per repeat.
+        self._suspects = SuspectHosts(Backoff(max(2.0, 2 * deadline_s), max(max_backoff_s, 4 * deadline_s)))
+        self.fault_hosts: list[str] = []  # the storage hosts the latest late call was blamed on
+        self._drops = DropLog()
+        self._judging = False
+        self._prober: _Workers | None = None  # one thread: a probe never queues behind stuck calls
         self.threads = threads
         self.max_rows_in_flight = max_rows_in_flight
         self.max_tracked_keys = max_tracked_keys
@@ -316,6 +375,7 @@ class MooncakeTier(LowerTier):
         self._headers = _HeaderSlots(self.max_rows_in_flight)
         self._workers = _Workers(self.threads, "kvtier-mooncake")
         await self._choose_hostname()
+        bound_store_timeouts(self.deadline_s)
         # The store's ``setup`` holds the GIL while it retries an absent master (90 s): every
         # thread of the process would stop. Knock on the master's port first.
         if not await self._master_reachable(self.open_timeout_s):
@@ -334,6 +394,7 @@ class MooncakeTier(LowerTier):
             self._workers.close()
             raise
         self._store = store
+        self._prober = _Workers(1, "kvtier-mooncake-probe")
         log.info(
             "mooncake tier: joined master %s as %s (metadata %s, %s), segment %.0f MiB",
             self.master,
@@ -426,12 +487,28 @@ class MooncakeTier(LowerTier):
         With its master gone, the store's ``close`` (and its destructor) retries the master
         for ~11 s *holding the GIL* (up to its 30 s RPC timeout if the master hangs), which
         would stop every thread of the process. So a client whose master is down, or does not
-        take a connection now, is left as it is, never torn down (a leak, in a failure)."""
+        take a connection now, is left as it is, never torn down (a leak, in a failure). So
+        is one with a call still running (a late get or put): tearing the store down under it
+        crashed the process (SIGSEGV)."""
         store, self._store = self._store, None
         workers, self._workers = self._workers, None
+        prober, self._prober = self._prober, None
         if workers is None:
             return
-        if store is not None and (self._failures or not await self._master_reachable(_CLOSE_S)):
+        late = workers.unfinished() + (prober.unfinished() if prober is not None else [])
+        if late:
+            _, late = await asyncio.wait({asyncio.wrap_future(f) for f in late}, timeout=_CLOSE_S)
+        if prober is not None:
+            prober.close()
+        if store is not None and late:
+            log.warning(
+                "mooncake tier: %d store calls still run after %.0f s; its client is left open, "
+                "not torn down",
+                len(late),
+                _CLOSE_S,
+            )
+            _keep_forever(store)
+        elif store is not None and (self._failures or not await self._master_reachable(_CLOSE_S)):
             log.warning("mooncake tier: master %s gone; its client is left open, not torn down", self.master)
             _keep_forever(store)
         elif store is not None:
@@ -451,38 +528,77 @@ class MooncakeTier(LowerTier):
         if not keys or not await self._usable(len(keys)):
             return [False] * len(keys)
         names = [object_key(self.namespace, bytes(k)) for k in keys]
-        codes = await self._call(self._pool().submit(self._store.batch_is_exist, names), must_finish=False)
+        future = self._pool().submit(self._store.batch_is_exist, names)
+        codes = await self._call(future, must_finish=False, timeout=self.deadline_s, names=names, lookup=True)
         if codes is None:
             return [False] * len(keys)
         self._note_master(codes)
         return [code == 1 for code in codes]
 
     async def put(self, rows: Sequence[Row]) -> list[bool]:
-        codes = await self._move(rows, self._put_blocking, must_finish=False)
-        stored = [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
+        """Store rows; a row that cannot be placed is a counted, logged drop (``DropLog``).
+
+        Rows the store has no room for (``-200``) are tried again while the master evicts
+        (``_retry_no_space``), so a full store stores fewer rows, not none of a batch."""
+        started = time.monotonic()
+        codes = await self._move(rows, self._put_blocking, must_finish=False, timeout=self.deadline_s)
         self._note_master(codes)
-        full = codes.count(NO_AVAILABLE_HANDLE)
-        errors = [
-            c
-            for c in codes
-            if c not in (0, OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE, _SKIPPED, *_MASTER_LOST)
-        ]
-        if errors:
-            log.warning(
-                "mooncake tier: %d of %d puts failed (codes %s)", len(errors), len(codes), sorted(set(errors))
-            )
-        self._stats.full += full
+        codes = await self._retry_no_space(rows, codes, started)
+        stored = [code in _STORED for code in codes]
+        reasons: Counter[str] = Counter(_drop_reason(code) for code in codes if code not in _STORED)
+        errors = [c for c in codes if c not in _STORED and _drop_reason(c).startswith("store error")]
+        self._stats.full += reasons[_NO_SPACE]
+        self._stats.unreachable += reasons[_UNREACHABLE]
         self._stats.errors += len(errors)
         self._stats.stored += sum(stored)
         self._stats.dropped += len(rows) - sum(stored)
+        self._drops.add(reasons, len(rows))
         self._known.add_stored(rows, stored)
         return stored
 
+    async def _retry_no_space(self, rows: Sequence[Row], codes: list[int], started: float) -> list[int]:
+        """Put again the rows the store had no room for (``-200``), while it makes room.
+
+        Mooncake allocates per object, and on a put that finds no room its master evicts a
+        share of the objects whose lease expired (5% by default) in the background, a few
+        ms later: measured with a 16 MiB pool and 64-row batches of 256 KiB, each batch
+        stored 3 rows; trying the rest again every few ms stored all 64 within ~50 ms. The
+        retries wait on the event loop (a store thread is held only by each attempt), back
+        off while nothing gets in, and stop at ``NO_SPACE_BUDGET`` of the deadline."""
+        budget_end = started + self.deadline_s * NO_SPACE_BUDGET
+        delay, stalls = NO_SPACE_FIRST_WAIT_S, 0
+        while stalls < NO_SPACE_MAX_STALLS:
+            waiting = [i for i, code in enumerate(codes) if code == NO_AVAILABLE_HANDLE]
+            if not waiting or time.monotonic() + delay >= budget_end:
+                break
+            await asyncio.sleep(delay)
+            left = started + self.deadline_s - time.monotonic()
+            again = await self._move(
+                [rows[i] for i in waiting], self._put_blocking, must_finish=False, timeout=left
+            )
+            placed = 0
+            for i, code in zip(waiting, again, strict=True):
+                codes[i] = code
+                placed += code in _STORED
+            self._stats.stored_on_retry += placed
+            if placed:
+                delay, stalls = NO_SPACE_FIRST_WAIT_S, 0
+            else:
+                delay, stalls = min(2 * delay, NO_SPACE_MAX_WAIT_S), stalls + 1
+            if any(code in _MASTER_LOST or code == _LATE for code in again):
+                break
+        return codes
+
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
         """Get header + row into the buffers; ``layouts``, when given, receives each hit's
-        layout id (its own, or one of ``readable_layouts``)."""
+        layout id (its own, or one of ``readable_layouts``). Objects held only on a storage
+        host that a call overran on lately (``SuspectHosts``) are misses, not asked for.
+        ``AbandonedRows`` if the store's call still runs ``late_get_grace_s`` past the
+        deadline (see the module docstring)."""
         served: list[bytes | None] = [None] * len(rows)
-        codes = await self._move(rows, partial(self._get_blocking, served=served), must_finish=True)
+        avoid = self._suspects.active()
+        blocking = partial(self._get_blocking, served=served, avoid=avoid)
+        codes = await self._move(rows, blocking, must_finish=True, timeout=self.deadline_s)
         self._note_master(codes)
         loaded = []
         for i, ((key, _), code) in enumerate(zip(rows, codes, strict=True)):
@@ -496,9 +612,11 @@ class MooncakeTier(LowerTier):
             elif code == OBJECT_NOT_FOUND:  # never put here, evicted, or lost with the master
                 self._stats.absent += 1
                 self._known.discard(bytes(key))
+            elif code == _SKIPPED_HOST:
+                self._stats.skipped_host += 1
             elif code in _WRONG_SIZE or code >= 0 or code == _FOREIGN:
                 self._stats.mismatched += 1
-            elif code not in _MASTER_LOST and code != _SKIPPED:
+            elif code not in _MASTER_LOST and code not in _NOT_ASKED:
                 self._stats.errors += 1
                 log.warning("mooncake tier: a get failed (%d)", code)
         hits = sum(loaded)
@@ -514,7 +632,8 @@ class MooncakeTier(LowerTier):
         if not keys or not await self._usable(0):
             return
         names = [object_key(self.namespace, bytes(k)) for k in keys]
-        await self._call(self._pool().submit(self._store.batch_remove, names, False), must_finish=False)
+        future = self._pool().submit(self._store.batch_remove, names, False)
+        await self._call(future, must_finish=False, timeout=self.deadline_s, names=names, lookup=True)
 
     def stats(self) -> MooncakeStats:
         return replace(
@@ -527,10 +646,10 @@ class MooncakeTier(LowerTier):
     # -- moving rows ------------------------------------------------------------------------
 
     async def _move(
-        self, rows: Sequence[Row], blocking: Callable[..., list[int]], *, must_finish: bool
+        self, rows: Sequence[Row], blocking: Callable[..., list[int]], *, must_finish: bool, timeout: float
     ) -> list[int]:
         """Run ``blocking(names, views, addrs, slots)`` for the rows on a store thread: a code
-        per row (``_SKIPPED`` for rows the call never reached)."""
+        per row (``_SKIPPED`` for rows the call never reached, ``_LATE`` past ``timeout``)."""
         if not rows or not await self._usable(len(rows)):
             return [_SKIPPED] * len(rows)
         views, addrs = self._host.rows(rows)  # a row outside the host buffer fails here
@@ -545,8 +664,8 @@ class MooncakeTier(LowerTier):
             return [_SKIPPED] * len(rows)
         future = self._pool().submit(blocking, names, views, addrs, slots)
         future.add_done_callback(lambda _f: headers.give(slots))
-        codes = await self._call(future, must_finish=must_finish)
-        return codes if codes is not None else [_SKIPPED] * len(rows)
+        codes = await self._call(future, must_finish=must_finish, timeout=timeout, names=names)
+        return codes if codes is not None else [_LATE] * len(rows)
 
     def _put_blocking(
         self, names: list[str], views: list[memoryview], addrs: list[int], slots: list[int]
@@ -571,17 +690,27 @@ class MooncakeTier(LowerTier):
         slots: list[int],
         *,
         served: list[bytes | None],
+        avoid: frozenset[str] = frozenset(),
     ) -> list[int]:
-        """Get header + row, verify each row that landed (``_VERIFIED``, ``_FOREIGN`` for a
+        """Get header + row (of the objects not held only on the hosts in ``avoid``:
+        ``_SKIPPED_HOST``), verify each row that landed (``_VERIFIED``, ``_FOREIGN`` for a
         sound row of a layout we cannot use, or ``_CORRUPT``; other codes are the store's),
         note each verified row's layout in ``served``, and remove corrupt objects."""
         headers = self._headers
         assert headers is not None
-        codes = self._store.batch_get_into_multi_buffers(
-            names,
-            [[headers.addr + slot * _HEADER_SLOT, addr] for slot, addr in zip(slots, addrs, strict=True)],
-            [[HEADER_BYTES, len(view)] for view in views],
-        )
+        asked = range(len(names))
+        codes = [_SKIPPED_HOST] * len(names)
+        if avoid:  # ask where the objects are, and leave those held only on resting hosts
+            hosts = replica_hosts(self._store.batch_get_replica_desc(names))
+            asked = [n for n, name in enumerate(names) if not (name in hosts and hosts[name] <= avoid)]
+        if asked:
+            answers = self._store.batch_get_into_multi_buffers(
+                [names[n] for n in asked],
+                [[headers.addr + slots[n] * _HEADER_SLOT, addrs[n]] for n in asked],
+                [[HEADER_BYTES, len(views[n])] for n in asked],
+            )
+            for n, code in zip(asked, answers, strict=True):
+                codes[n] = code
         corrupt: list[str] = []
         for n, (name, view, addr, slot) in enumerate(zip(names, views, addrs, slots, strict=True)):
             if codes[n] != HEADER_BYTES + len(view):
@@ -603,26 +732,93 @@ class MooncakeTier(LowerTier):
 
     # -- the store's health -----------------------------------------------------------------
 
-    async def _call(self, future: concurrent.futures.Future, *, must_finish: bool) -> Any:
-        """The result of a store call, or ``None`` if it missed the deadline.
+    async def _call(
+        self,
+        future: concurrent.futures.Future,
+        *,
+        must_finish: bool,
+        timeout: float,
+        names: list[str],
+        lookup: bool = False,
+    ) -> Any:
+        """The result of a store call, or ``None`` if it missed ``timeout``.
 
-        A call still queued at its deadline is cancelled (the store's threads were busy: no
-        verdict on the master). One that started and overran marks the store down; with
-        ``must_finish`` (a get) it is then waited for to its end."""
+        A call still queued then is cancelled (the store's threads were busy: no verdict on
+        anything). One that started and overran is judged (``_judge_overrun``): the master
+        is down only if it does not answer a probe; otherwise the hosts holding ``names``
+        rest (not after a ``lookup``: a call only the master serves). With ``must_finish``
+        (a get, which writes host rows) the call is waited for ``late_get_grace_s`` more,
+        then given up on: ``AbandonedRows``."""
         waiter = asyncio.wrap_future(future)
-        done, _ = await asyncio.wait({waiter}, timeout=self.deadline_s)
+        done, _ = await asyncio.wait({waiter}, timeout=max(0.0, timeout))
         if done:
             return waiter.result()
         self._stats.timeouts += 1
         if future.cancel():
             return None
-        self._mark_down(f"a call overran its {self.deadline_s:.1f} s deadline")
+        what = "lookup" if lookup else "get" if must_finish else "put"
+        judging = asyncio.ensure_future(self._judge_overrun(names, what, blame_hosts=not lookup))
         if not must_finish:
             waiter.add_done_callback(_ignore_result)
             return None
-        log.warning("mooncake tier: waiting for a late get, which may still write its host rows")
-        await waiter
-        return None
+        done, _ = await asyncio.wait({waiter}, timeout=self.late_get_grace_s)
+        if done:  # the store's own timeouts ended it: its answer stands
+            return waiter.result()
+        waiter.add_done_callback(_ignore_result)
+        self._stats.abandoned += len(names)
+        await asyncio.wait({judging}, timeout=0.1)
+        raise AbandonedRows(
+            f"mooncake tier: a get of {len(names)} rows still ran {timeout + self.late_get_grace_s:.1f} s "
+            f"after it started ({self._fault_text()}); it may still write those rows"
+        )
+
+    async def _judge_overrun(self, names: list[str], what: str, *, blame_hosts: bool) -> None:
+        """After a call overran: a master that does not answer a cheap question (where do
+        these objects live?) within ``probe_timeout_s`` is down; one that answers names the
+        storage hosts at fault, which rest (``SuspectHosts``). One judgement at a time."""
+        if self._judging or self._prober is None:
+            return
+        self._judging = True
+        try:
+            probe = asyncio.wrap_future(self._prober.submit(self._where_blocking, names[:PROBE_NAMES]))
+            done, _ = await asyncio.wait({probe}, timeout=self.probe_timeout_s)
+            if not done or probe.exception() is not None:
+                probe.add_done_callback(_ignore_result)
+                self._mark_down(
+                    f"a {what} overran its {self.deadline_s:.1f} s deadline and the master {self.master} "
+                    f"did not answer a probe in {self.probe_timeout_s:.1f} s"
+                )
+                return
+            if not blame_hosts:
+                log.warning("mooncake tier: a %s overran its deadline; the master answers now", what)
+                return
+            hosts = sorted(set().union(*probe.result().values()))
+            self._stats.host_faults += 1
+            self.fault_hosts = hosts
+            rest = self._suspects.suspect(hosts)
+            log.warning(
+                "mooncake tier: a %s of %d rows overran its %.1f s deadline; the master %s answers: %s%s",
+                what,
+                len(names),
+                self.deadline_s,
+                self.master,
+                self._fault_text(),
+                f"; gets skip objects held only there for {rest:.1f} s" if hosts else "",
+            )
+        finally:
+            self._judging = False
+
+    def _where_blocking(self, names: list[str]) -> dict[str, set[str]]:
+        return replica_hosts(self._store.batch_get_replica_desc(names))
+
+    def _fault_text(self) -> str:
+        if self.fault_hosts:
+            return f"storage host {', '.join(self.fault_hosts)} holds its objects and did not finish"
+        return "the storage host at fault is not known yet"
+
+    def suspect_hosts(self) -> frozenset[str]:
+        """The storage hosts (transfer endpoints) gets avoid now (``SuspectHosts``)."""
+        return self._suspects.active()
 
     async def _usable(self, rows: int) -> bool:
         """Whether to call the store now: not while it is down and its backoff runs, and after
@@ -648,7 +844,7 @@ class MooncakeTier(LowerTier):
         """Book what a call's codes say about the master: lost, or (after an outage) back."""
         if codes and all(code in _MASTER_LOST for code in codes):
             self._mark_down(f"master {self.master} unreachable ({codes[0]})")
-        elif self._failures and any(code not in _MASTER_LOST and code != _SKIPPED for code in codes):
+        elif self._failures and any(code not in _MASTER_LOST and code not in _NOT_ASKED for code in codes):
             self._failures = 0
             self._stats.recoveries += 1
             log.warning("mooncake tier: master %s answers again", self.master)
