@@ -3,9 +3,11 @@
 Every remote test on 127.0.0.1 lets UCX move rows through shared memory or CMA, so nothing
 measures (or breaks) a network. Here each host is a network namespace with one veth pair:
 its inside end is ``eth0`` (address ``10.77.K.(i+2)/24``), its outside end a port of the
-bridge, which holds ``10.77.K.1``: the machine's own namespace (the test or benchmark
-process, an engine) is one more host on the same wire. ``K`` is a /24 no route of this
-machine uses yet, so concurrent clusters (of this or another process) do not collide.
+bridge. The machine's own namespace (the test or benchmark process, an engine) is one more
+host on the same wire, at ``10.77.K.1`` on a veth of its own (``Cluster.nic``), as a real
+engine has a NIC (UCX ignores bridge devices unless ``UCX_TCP_BRIDGE_ENABLE=y``). ``K`` is
+a /24 no route of this machine uses yet, so concurrent clusters (of this or another process)
+do not collide.
 
 Faults are set on a host's bridge port, so they act on that host's traffic only:
 
@@ -191,6 +193,7 @@ class HostProcess:
         self.argv = list(argv)
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in close())
+        self._start = self._log.tell()  # a log kept from an earlier run says nothing of this one
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", host.netns, *argv],
             cwd=ROOT,
@@ -207,7 +210,9 @@ class HostProcess:
 
     def log(self) -> str:
         self._log.flush()
-        return self.log_path.read_text(errors="replace")
+        with open(self.log_path, "rb") as log_file:
+            log_file.seek(self._start)
+            return log_file.read().decode(errors="replace")
 
     def wait_for(self, text: str, timeout: float = READY_TIMEOUT_S) -> str:
         """Wait until a line of the log holds ``text``; that line (raises if it exits first)."""
@@ -257,6 +262,8 @@ class Cluster:
         self.mtu = mtu
         self._tag = f"{os.getpid():x}x{_base36(next(_counter))}"  # the pid lets sweep() find orphans
         self.bridge = f"{PREFIX}{self._tag}b"
+        self.nic = f"{PREFIX}{self._tag}e"  # this namespace's interface on the bridge
+        self._nic_port = f"{PREFIX}{self._tag}q"
         self.hosts: list[Host] = []
         self.subnet = ""
         self.address = ""  # this machine's address on the bridge
@@ -278,10 +285,14 @@ class Cluster:
                 self.address = f"{self.subnet}.1"
                 self._up = True
                 _run("ip", "link", "add", self.bridge, "type", "bridge")
-                _run("ip", "addr", "add", f"{self.address}/24", "dev", self.bridge)
-            if self.mtu:
-                _run("ip", "link", "set", self.bridge, "mtu", str(self.mtu))
-            _run("ip", "link", "set", self.bridge, "up")
+                _run("ip", "link", "add", self.nic, "type", "veth", "peer", "name", self._nic_port)
+                _run("ip", "addr", "add", f"{self.address}/24", "dev", self.nic)
+            for dev in (self.bridge, self.nic, self._nic_port):
+                if self.mtu:
+                    _run("ip", "link", "set", dev, "mtu", str(self.mtu))
+            _run("ip", "link", "set", self._nic_port, "master", self.bridge)
+            for dev in (self.bridge, self._nic_port, self.nic):
+                _run("ip", "link", "set", dev, "up")
             for i in range(self.size):
                 self.hosts.append(self._add_host(i))
         except BaseException:
@@ -320,14 +331,20 @@ class Cluster:
             _run("ip", "link", "del", host.port_dev, check=False)
         self.hosts.clear()
         if self._up:
+            _run("ip", "link", "del", self.nic, check=False)  # its bridge port goes with it
             _run("ip", "link", "del", self.bridge, check=False)
             self._up = False
 
     # -- processes ------------------------------------------------------------------------
 
     def start(self, host: Host, argv: Sequence[str], *, env: dict[str, str] | None = None) -> HostProcess:
-        """Start ``argv`` in ``host`` (cwd: the repository; env: this process's, plus ``env``)."""
-        full_env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", **(env or {})}
+        """Start ``argv`` in ``host`` (cwd: the repository; env: this process's, plus ``env``).
+
+        This process's ``UCX_*`` settings are left out (another host is another machine: a
+        test's ``UCX_NET_DEVICES=lo`` would bind a peer to its loopback); ``env`` may set them.
+        """
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("UCX_") or k == "UCX_MODULES"}
+        full_env = {**inherited, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", **(env or {})}
         name = f"h{host.index}-{Path(argv[0]).name}-{len(self._processes)}.log"
         process = HostProcess(host, argv, self.log_dir / name, full_env)
         self._processes.append(process)

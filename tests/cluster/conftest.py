@@ -3,6 +3,10 @@
 ``make_cluster(n)`` builds ``n`` hosts (network namespaces on one bridge) and tears them
 down after the test, whatever happened in it. Where this machine cannot build namespaces
 (not root, no iproute2, refused), every test that asks for one is skipped with the reason.
+
+The UCX variables a test process may carry (``tests/tiers/peer_fixtures.py`` binds UCX to
+``lo``) are removed for these tests: the remote tier sets them from its peers' addresses
+(``tiers/remote/net_iface.py``), as it would in a real deployment.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from bench.cluster_net import Cluster, probe
+from tiers.remote import net_iface
 
 
 @pytest.fixture
@@ -27,3 +32,10 @@ def make_cluster(tmp_path):
     yield make
     for cluster in built:
         cluster.close()
+
+
+@pytest.fixture(autouse=True)
+def ucx_from_the_peers(monkeypatch):
+    for var in ("UCX_NET_DEVICES", "UCX_TLS", "UCX_TCP_BRIDGE_ENABLE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(net_iface, "_SET_BY_KVTIER", {})
