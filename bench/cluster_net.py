@@ -37,9 +37,11 @@ import contextlib
 import ctypes
 import fcntl
 import itertools
+import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -186,9 +188,12 @@ class Host:
 
 
 class HostProcess:
-    """A process started in a host; stdout and stderr go to ``log_path``."""
+    """A process started in a host; its stderr goes to ``log_path``, and so does its stdout
+    unless ``interactive`` (then ``request`` speaks JSON lines over stdin and stdout)."""
 
-    def __init__(self, host: Host, argv: Sequence[str], log_path: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, host: Host, argv: Sequence[str], log_path: Path, env: dict[str, str], interactive: bool = False
+    ) -> None:
         self.host = host
         self.argv = list(argv)
         self.log_path = log_path
@@ -198,11 +203,31 @@ class HostProcess:
             ["ip", "netns", "exec", host.netns, *argv],
             cwd=ROOT,
             env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if interactive else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if interactive else self._log,
+            stderr=self._log,
+            text=True,
             preexec_fn=_die_with_parent,
         )
+
+    def read_json(self, timeout: float) -> dict:
+        """The next line of an interactive process's stdout, parsed (raises if none comes in time)."""
+        assert self.proc.stdout is not None
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if readable else ""
+        if not line:
+            raise RuntimeError(f"{self.argv[:4]} in {self.host.netns}: no answer\n{self.log()[-4000:]}")
+        return json.loads(line)
+
+    def request(self, message: dict, timeout: float = 60.0) -> dict:
+        """Send one JSON line, return the answer line (an ``error`` in it raises)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        answer = self.read_json(timeout)
+        if "error" in answer:
+            raise RuntimeError(f"{message}: {answer['error']}")
+        return answer
 
     @property
     def pid(self) -> int:
@@ -248,6 +273,10 @@ class HostProcess:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.kill()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         self._log.close()
 
 
@@ -337,7 +366,9 @@ class Cluster:
 
     # -- processes ------------------------------------------------------------------------
 
-    def start(self, host: Host, argv: Sequence[str], *, env: dict[str, str] | None = None) -> HostProcess:
+    def start(
+        self, host: Host, argv: Sequence[str], *, env: dict[str, str] | None = None, interactive: bool = False
+    ) -> HostProcess:
         """Start ``argv`` in ``host`` (cwd: the repository; env: this process's, plus ``env``).
 
         This process's ``UCX_*`` settings are left out (another host is another machine: a
@@ -346,7 +377,7 @@ class Cluster:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("UCX_") or k == "UCX_MODULES"}
         full_env = {**inherited, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1", **(env or {})}
         name = f"h{host.index}-{Path(argv[0]).name}-{len(self._processes)}.log"
-        process = HostProcess(host, argv, self.log_dir / name, full_env)
+        process = HostProcess(host, argv, self.log_dir / name, full_env, interactive)
         self._processes.append(process)
         return process
 
@@ -378,6 +409,22 @@ class Cluster:
         process = self.start(host, argv, env=env)
         if wait:
             process.wait_for("kvtier peer listening on")
+        return process
+
+    def start_engine(
+        self, host: Host, peers: Sequence[Host], *, port: int = PEER_PORT, **options: object
+    ) -> HostProcess:
+        """A ``bench/cluster_engine.py`` in ``host`` (a ``RemoteTier`` over ``peers``),
+        answering JSON requests; ``options`` are its flags (``rows=64`` -> ``--rows 64``).
+        Returns once its tier is open."""
+        argv = [sys.executable, "-m", "bench.cluster_engine", "--peers"]
+        argv.append(",".join(peer.peer_address(port) for peer in peers))
+        for name, value in options.items():
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+        process = self.start(host, argv, interactive=True)
+        ready = process.read_json(READY_TIMEOUT_S)
+        if not ready.get("ready"):
+            raise RuntimeError(f"engine in {host.netns} did not start: {ready}")
         return process
 
     def start_peers(self, hosts: Sequence[Host] | None = None, **kwargs) -> list[HostProcess]:

@@ -3,35 +3,28 @@ from the configured addresses), so the rows cross the peers' links."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.tiers.peer_fixtures import HostRows, key, open_tier
-
 pytestmark = pytest.mark.multiprocess
-KIB = 1024
+ROWS = 32
+ROW_BYTES = 256 << 10
 
 
-async def test_rows_cross_the_peers_links(make_cluster) -> None:
-    cluster = make_cluster(2)
-    cluster.start_peers(capacity="32MiB", row_bytes="256KiB")
-    addresses = [host.peer_address() for host in cluster.hosts]
-    n = 32
-    rows = HostRows([256 * KIB] * n, seed=5)
-    keys = [key(i, salt=b"wire") for i in range(n)]
-    before = [cluster.wire_bytes(host) for host in cluster.hosts]
-    async with open_tier(addresses, rows.view) as tier:
-        assert os.environ["UCX_TLS"] == "tcp" and os.environ["UCX_NET_DEVICES"] == cluster.nic
-        assert await tier.put(list(zip(keys, rows.src, strict=True))) == [True] * n
-        assert await tier.get(list(zip(keys, rows.dst, strict=True))) == [True] * n
-        assert all(rows.same(i) for i in range(n))
-        owned = {address: sum(tier.owner(k) == address for k in keys) for address in addresses}
-    after = [cluster.wire_bytes(host) for host in cluster.hosts]
-    for host, (to_before, from_before), (to_after, from_after) in zip(
-        cluster.hosts, before, after, strict=True
-    ):
-        row_bytes = owned[host.peer_address()] * 256 * KIB
+def test_rows_cross_the_peers_links(make_cluster) -> None:
+    cluster = make_cluster(3)
+    engine_host, *peer_hosts = cluster.hosts
+    cluster.start_peers(peer_hosts, capacity="32MiB", row_bytes="256KiB")
+    engine = cluster.start_engine(engine_host, peer_hosts, rows=ROWS, row_bytes=ROW_BYTES)
+    ucx = engine.request({"op": "state"})["ucx"]
+    assert ucx["UCX_TLS"] == "tcp" and ucx["UCX_NET_DEVICES"] == "eth0"  # set by kvtier, not by us
+    owners = engine.request({"op": "owners", "salt": "wire"})["result"]
+    before = [cluster.wire_bytes(host) for host in peer_hosts]
+    assert engine.request({"op": "put", "salt": "wire"})["result"] == [True] * ROWS
+    got = engine.request({"op": "get", "salt": "wire"})
+    assert got["result"] == [True] * ROWS and got["exact"]
+    after = [cluster.wire_bytes(host) for host in peer_hosts]
+    for host, (to_before, from_before), (to_after, from_after) in zip(peer_hosts, before, after, strict=True):
+        row_bytes = owners.count(host.peer_address()) * ROW_BYTES
         assert row_bytes > 0
-        assert to_after - to_before >= row_bytes  # the puts' WRITEs went over this link
+        assert to_after - to_before >= row_bytes  # the puts' WRITEs went over this host's link
         assert from_after - from_before >= row_bytes  # and the gets' READs came back over it
