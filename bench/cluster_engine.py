@@ -16,6 +16,12 @@ Each line on stdin is one request, each answered by one line on stdout:
 - ``{"op": "state"}``: ``peers_up``, the tier's ``stats``, the ``warnings`` it logged and
   the ``ucx`` variables in force
   (``{"op": "state", "clear": true}`` forgets them);
+- ``{"op": "raw_connect", "targets": [LINE, ...]}``: load raw NIXL targets (the lines
+  ``python -m bench.remote --raw-target SIZE`` prints) into a second agent of this process,
+  with the same UCX settings as the tier's;
+- ``{"op": "raw", "dir": "WRITE"|"READ", "count": N}``: the baseline: rows ``0..N-1`` split
+  over the targets (row ``i`` to target ``i mod T``), one NIXL request per target, all
+  posted at once; ``elapsed_s``;
 - ``{"op": "quit"}``: close the tier and exit.
 
 The first line out is ``{"ready": ...}`` once the tier is open. Nothing else is written to
@@ -36,6 +42,7 @@ import numpy as np
 
 from tiers.address import Address
 from tiers.remote import RemoteTier
+from tiers.remote.nixl_agent import create_agent, descriptors
 from tiers.settings import RemoteSettings
 from tiers.sizes import parse_size
 
@@ -59,9 +66,49 @@ def key_of(salt: str, i: int) -> bytes:
     return f"{salt}/{i}".encode().ljust(32, b".")[:32] + bytes(4)
 
 
+class RawTargets:
+    """The baseline: an agent of its own moving the engine's rows to raw NIXL targets."""
+
+    def __init__(self, buffer: np.ndarray, lines: list[str]) -> None:
+        self.agent = create_agent(f"kvtier-cluster-raw-{os.getpid()}")
+        self.agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
+        self.base = buffer.ctypes.data
+        self.targets = []
+        for line in lines:
+            addr, metadata = line.split()
+            self.targets.append((self.agent.add_remote_agent(bytes.fromhex(metadata)), int(addr)))
+
+    def move(self, op: str, count: int, row_bytes: int, timeout_s: float = 60.0) -> None:
+        handles = []
+        for t, (name, remote_base) in enumerate(self.targets):
+            rows = list(range(t, count, len(self.targets)))
+            if not rows:
+                continue
+            local = descriptors([self.base + i * row_bytes for i in rows], [row_bytes] * len(rows))
+            remote = descriptors(
+                [remote_base + n * row_bytes for n in range(len(rows))], [row_bytes] * len(rows)
+            )
+            handle = self.agent.initialize_xfer(
+                op, self.agent.get_xfer_descs(local, "DRAM"), self.agent.get_xfer_descs(remote, "DRAM"), name
+            )
+            handles.append([handle, self.agent.transfer(handle)])
+        end = time.monotonic() + timeout_s
+        while any(state == "PROC" for _, state in handles):
+            if time.monotonic() > end:
+                raise TimeoutError(f"raw {op} did not finish in {timeout_s} s")
+            for entry in handles:
+                if entry[1] == "PROC":
+                    entry[1] = self.agent.check_xfer_state(entry[0])
+        for handle, state in handles:
+            handle.release()
+            if state != "DONE":
+                raise RuntimeError(f"raw {op} failed: {state}")
+
+
 class Engine:
     def __init__(self, tier: RemoteTier, rows: int, row_bytes: int) -> None:
         self.tier = tier
+        self.raw: RawTargets | None = None
         self.rows = rows
         self.row_bytes = row_bytes
         raw = np.zeros(2 * rows * row_bytes + 4096, dtype=np.uint8)
@@ -92,6 +139,16 @@ class Engine:
             if request.get("clear"):
                 warnings.messages.clear()
             return answer
+        if op == "raw_connect":
+            self.raw = RawTargets(self.buffer, request["targets"])
+            return {"targets": len(request["targets"])}
+        if op == "raw":
+            count = int(request.get("count", self.rows))
+            began = time.monotonic()
+            if self.raw is None:
+                raise ValueError("raw_connect first")
+            self.raw.move(str(request["dir"]), count, self.row_bytes)
+            return {"elapsed_s": time.monotonic() - began}
         keys = self.keys(request)
         if op == "owners":
             return {"result": [self.tier.owner(k) for k in keys]}

@@ -172,6 +172,11 @@ def _loss_program(fraction: float) -> str:
 
 
 _DROP_ALL = f"1,6 0 0 {_TC_ACT_SHOT},"
+FAULTS = ("killed", "stopped", "cut", "partition-in", "partition-out", "slow")
+"""What ``Cluster.inflict`` does to a host: SIGKILL or SIGSTOP its process, drop all its
+traffic, only what goes to it (``in``) or comes from it (``out``), or limit its link to
+``SLOW_RATE`` each way."""
+SLOW_RATE = "200kbit"
 
 
 @dataclass
@@ -478,6 +483,21 @@ class Cluster:
         for direction in ("ingress", "egress"):
             _run("tc", "filter", "del", "dev", host.port_dev, direction, "pref", "20", check=False)
         self.clear_rate(host)
+
+    def inflict(self, host: Host, process: HostProcess, fault: str) -> None:
+        """One of ``FAULTS`` on ``host`` (whose ``process`` a ``killed``/``stopped`` is for)."""
+        if fault == "killed":
+            process.kill()
+        elif fault == "stopped":
+            process.stop()
+        elif fault == "cut":
+            self.cut(host)
+        elif fault.startswith("partition-"):
+            self.partition(host, fault.removeprefix("partition-"))
+        elif fault == "slow":
+            self.set_rate(host, SLOW_RATE)
+        else:
+            raise ValueError(f"fault is one of {FAULTS}, not {fault!r}")
 
     def _filter(self, host: Host, direction: str, pref: int, program: str) -> None:
         _run("tc", "filter", "del", "dev", host.port_dev, direction, "pref", str(pref), check=False)

@@ -13,30 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster_net import Cluster, Host, HostProcess
+from bench.cluster_net import FAULTS
 
 pytestmark = pytest.mark.multiprocess
 
 DEADLINE_S = 1.0
 SLACK_S = 1.5  # how far past its deadline a call may end and still count as "no stall"
 ROWS = 48
-FAULTS = ["killed", "stopped", "cut", "partition-in", "partition-out", "slow"]
 VERBS = ["get", "contains", "put"]
-
-
-def inflict(cluster: Cluster, peer: HostProcess, host: Host, fault: str) -> None:
-    if fault == "killed":
-        peer.kill()
-    elif fault == "stopped":
-        peer.stop()
-    elif fault == "cut":
-        cluster.cut(host)
-    elif fault.startswith("partition-"):
-        cluster.partition(host, fault.removeprefix("partition-"))
-    elif fault == "slow":
-        cluster.set_rate(host, "200kbit")  # the victim's rows need ~10 s: far past the deadline
-    else:
-        raise ValueError(fault)
 
 
 @pytest.mark.parametrize("first", VERBS)
@@ -53,7 +37,7 @@ def test_a_faulty_peer_costs_a_call_at_most_its_deadline(make_cluster, fault, fi
     on_victim = [owner == victim.peer_address() for owner in owners]
     assert any(on_victim) and not all(on_victim)
     engine.request({"op": "state", "clear": True})
-    inflict(cluster, peers[0], victim, fault)
+    cluster.inflict(victim, peers[0], fault)  # "slow": 200 kbit/s, the victim's rows need ~10 s
 
     for n, verb in enumerate([first, *(v for v in VERBS if v != first)]):
         answer = engine.request({"op": verb, "salt": "after" if verb == "put" else "before"})
