@@ -36,6 +36,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def master_argv(host: str, port: int, lease_ms: int) -> list[str]:
+    """The command line of a master whose RPC port is ``host:port`` (P2P handshakes: no
+    metadata server; its metrics server on the loopback)."""
+    return [
+        str(master_binary()),
+        f"--rpc_port={port}",
+        f"--rpc_address={host}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={free_port()}",
+        f"--default_kv_lease_ttl={lease_ms}",
+        "--rpc_thread_num=2",
+    ]
+
+
 class MasterProcess:
     """One ``mooncake_master`` child, logging to ``log_path``.
 
@@ -63,15 +77,7 @@ class MasterProcess:
         self.start()
 
     def start(self) -> None:
-        args = [
-            str(master_binary()),
-            f"--rpc_port={self.port}",
-            f"--rpc_address={self.host}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={free_port()}",
-            f"--default_kv_lease_ttl={self.lease_ms}",
-            "--rpc_thread_num=2",
-        ]
+        args = master_argv(self.host, self.port, self.lease_ms)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=self.preexec_fn

@@ -285,7 +285,7 @@ async def test_a_stopped_storage_host_costs_a_deadline_is_named_and_the_master_s
                 found = await tier.get(list(zip(keys[:8], rows.dst[:8], strict=True)))
             except AbandonedRows as exc:  # the store's call outlived the grace: named, rows given up
                 found = [False] * 8
-                assert endpoint in str(exc) or "not known yet" in str(exc)
+                assert endpoint in str(exc) or "does not say" in str(exc)
             assert found == [False] * 8
             assert time.monotonic() - start < tier.deadline_s + tier.late_get_grace_s + SLACK_S
             await wait_for(lambda: tier.stats()["host_faults"] >= 1, tier.probe_timeout_s + SLACK_S)

@@ -340,9 +340,10 @@ class MooncakeTier(LowerTier):
         # A late get waits this long for the store's own timeouts to end it (then: abandoned).
         self.late_get_grace_s = min(1.0, deadline_s) if late_get_grace_s is None else late_get_grace_s
         self.probe_timeout_s = min(1.0, deadline_s) if probe_timeout_s is None else probe_timeout_s
-        # A storage host a call overran on rests at least two deadlines (the store's own
-        # timeouts end the late call meanwhile), doubling per repeat.
-        self._suspects = SuspectHosts(Backoff(max(2.0, 2 * deadline_s), max(max_backoff_s, 4 * deadline_s)))
+        # A storage host a call overran on rests (gets skip it) 5 s or four deadlines, doubling
+        # per repeat up to 30 s: a stopped or cut-off host stays so for longer than that, and
+        # each get that meets it again costs a deadline and its rows (abandoned).
+        self._suspects = SuspectHosts(Backoff(max(5.0, 4 * deadline_s), max(30.0, max_backoff_s)))
         self.fault_hosts: list[str] = []  # the storage hosts the latest late call was blamed on
         self._drops = DropLog()
         self._judging = False
@@ -767,17 +768,19 @@ class MooncakeTier(LowerTier):
         waiter.add_done_callback(_ignore_result)
         self._stats.abandoned += len(names)
         await asyncio.wait({judging}, timeout=0.1)
+        hosts = judging.result() if judging.done() else None
         raise AbandonedRows(
             f"mooncake tier: a get of {len(names)} rows still ran {timeout + self.late_get_grace_s:.1f} s "
-            f"after it started ({self._fault_text()}); it may still write those rows"
+            f"after it started ({self._fault_text(hosts)}); it may still write those rows"
         )
 
-    async def _judge_overrun(self, names: list[str], what: str, *, blame_hosts: bool) -> None:
+    async def _judge_overrun(self, names: list[str], what: str, *, blame_hosts: bool) -> list[str] | None:
         """After a call overran: a master that does not answer a cheap question (where do
         these objects live?) within ``probe_timeout_s`` is down; one that answers names the
-        storage hosts at fault, which rest (``SuspectHosts``). One judgement at a time."""
+        storage hosts at fault, which rest (``SuspectHosts``): those it returns. One judgement
+        at a time."""
         if self._judging or self._prober is None:
-            return
+            return None
         self._judging = True
         try:
             probe = asyncio.wrap_future(self._prober.submit(self._where_blocking, names[:PROBE_NAMES]))
@@ -788,13 +791,14 @@ class MooncakeTier(LowerTier):
                     f"a {what} overran its {self.deadline_s:.1f} s deadline and the master {self.master} "
                     f"did not answer a probe in {self.probe_timeout_s:.1f} s"
                 )
-                return
+                return None
             if not blame_hosts:
                 log.warning("mooncake tier: a %s overran its deadline; the master answers now", what)
-                return
+                return None
             hosts = sorted(set().union(*probe.result().values()))
             self._stats.host_faults += 1
-            self.fault_hosts = hosts
+            if hosts:  # a put's objects are not placed yet: the host of the last verdict stays named
+                self.fault_hosts = hosts
             rest = self._suspects.suspect(hosts)
             log.warning(
                 "mooncake tier: a %s of %d rows overran its %.1f s deadline; the master %s answers: %s%s",
@@ -802,19 +806,21 @@ class MooncakeTier(LowerTier):
                 len(names),
                 self.deadline_s,
                 self.master,
-                self._fault_text(),
+                self._fault_text(hosts),
                 f"; gets skip objects held only there for {rest:.1f} s" if hosts else "",
             )
+            return hosts
         finally:
             self._judging = False
 
     def _where_blocking(self, names: list[str]) -> dict[str, set[str]]:
         return replica_hosts(self._store.batch_get_replica_desc(names))
 
-    def _fault_text(self) -> str:
-        if self.fault_hosts:
-            return f"storage host {', '.join(self.fault_hosts)} holds its objects and did not finish"
-        return "the storage host at fault is not known yet"
+    @staticmethod
+    def _fault_text(hosts: list[str] | None) -> str:
+        if hosts:
+            return f"storage host {', '.join(hosts)} holds its objects and did not finish"
+        return "the store does not say which storage host holds its objects"
 
     def suspect_hosts(self) -> frozenset[str]:
         """The storage hosts (transfer endpoints) gets avoid now (``SuspectHosts``)."""
