@@ -22,28 +22,48 @@ other's rows, not even as a hit.
 
 What the store answers (Mooncake 0.3.13, per key): ``0`` stored (also when the key exists
 already: the first object is kept; keys name their content, so that is a hit for later);
-``-200`` no space (every segment full of leased objects: the row is dropped and counted;
-objects whose lease expired are evicted by the master to make room, and become misses);
-``-704`` not found (never put, evicted, or lost with a restarted master: a miss); ``-600`` /
-``-800`` the buffers do not add up to the object (a row of another length: a miss);
+``-200`` no space (tried again while the master evicts objects whose lease expired, which
+become misses; still refused: dropped and counted); ``-704`` not found (never put, evicted,
+or lost with a restarted master: a miss); ``-600`` / ``-800`` the buffers do not add up to
+the object (a row of another length: a miss); ``-800`` on a put: the transfer to the
+storage host failed (unreachable: a loopback ``local_hostname`` across hosts did that);
 ``-900`` / ``-901`` the master is unreachable / did not answer.
 
 Failures. Every call runs on the tier's own threads (the store's calls block), with a
 deadline. A master that is killed makes calls fail at once (``-900``) or within ~4 s (a
-put reconnects); a master that hangs holds a call for the store's RPC timeout (30 s). The
-first call that reports the master lost, or overruns its deadline, marks the store
-**down**: until a backoff expires (``backoff_s`` doubling to ``max_backoff_s``) every call
-answers at once without touching the store (puts dropped, gets and contains misses). After
-the backoff the tier knocks on the master's port (a TCP connect on the event loop); if it
-answers, the next call goes through: the client reconnects by itself, and a restarted
-master has the client's segment re-mounted within about a second. A call still queued on
-the tier's busy threads at its deadline is cancelled, with no verdict on the master (that
-is congestion, not an outage). A ``put`` or ``contains``
-returns at its deadline even if the store's call goes on (a late put is harmless: its row
-is checksummed, and its header slot stays reserved until the call ends). A ``get`` writes
-into host rows, and nothing can stop the store's call once it started, so a started get
-returns only when that call has ended: past its deadline the tier engine's safety net
-reports it abandoned and the manager never reuses those host slots.
+put reconnects); a master that hangs holds a call for the store's RPC timeout (30 s). A
+call that reports the master lost marks the store **down**: until a backoff expires
+(``backoff_s`` doubling to ``max_backoff_s``) every call answers at once without touching
+the store (puts dropped, gets and contains misses). After the backoff the tier knocks on
+the master's port (a TCP connect on the event loop); if it answers, the next call goes
+through: the client reconnects by itself, and a restarted master has the client's segment
+re-mounted within about a second. A call still queued on the tier's busy threads at its
+deadline is cancelled, with no verdict on anything (that is congestion, not an outage).
+
+A call that started and overran its deadline is not, by itself, a verdict on the master:
+one storage host that stops, loses its link or slows holds the store's calls for its
+objects (issue #20: 42 s, and the master was then reported gone). So the tier asks the
+master one cheap question on a thread of its own (where the late call's objects live,
+``probe_timeout_s``): no answer, the master is down as above; an answer names the storage
+hosts at fault (logged, ``fault_hosts``, ``host_faults``), which rest (``SuspectHosts``,
+``tiers.mooncake.faults``): gets skip objects held only there (misses, ``skipped_host``)
+instead of meeting them again. Mooncake's own TCP timeouts are set from the deadline
+(``bound_store_timeouts``), so the late call itself ends within seconds, not a minute.
+
+What a caller waits, whatever one storage host does: a ``put`` or ``contains`` returns at
+its deadline even if the store's call goes on (a late put is harmless: its row is
+checksummed, and its header slot stays reserved until the call ends). A ``get`` writes into
+host rows, and nothing can stop the store's call once it started: the tier waits
+``late_get_grace_s`` (``min(1 s, deadline_s)``) more for the store's timeouts to end it,
+then raises ``AbandonedRows``: the rows are misses and the tier engine reports the
+operation abandoned, so the manager never reuses those host slots. So every call ends by
+``deadline_s`` (a get: ``deadline_s + late_get_grace_s``) plus the event loop's latency.
+
+Drops. A row a put does not store is counted (``dropped``; by reason: ``full``,
+``unreachable``, ``timeouts``, ``skipped_down``) and logged at most every 10 s with the
+counts (``DropLog``); ``Offloader.stats()["tiers"]["mooncake"]`` shows them. Rows refused
+for want of space are put again while the master evicts (``_retry_no_space``), so a full
+store stores fewer rows, not none of a batch.
 
 The store's ``setup`` and ``close`` hold the GIL while they retry an absent master (90 s
 and ~11 s measured; up to the 30 s RPC timeout for a hung one), which would stop every
