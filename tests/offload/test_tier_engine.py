@@ -8,14 +8,15 @@ from collections.abc import Sequence
 import pytest
 
 from offload.tier_engine import GIL_SWITCH_INTERVAL_S, TierEngine
-from tiers.base import LowerTier, Row, TierError
+from tiers.base import AbandonedRows, LowerTier, Row, TierError
 
 
 class FakeTier(LowerTier):
     kind = "fake"
 
-    def __init__(self, fail_open: bool = False) -> None:
+    def __init__(self, fail_open: bool = False, abandon_gets: bool = False) -> None:
         self.fail_open = fail_open
+        self.abandon_gets = abandon_gets
         self.closed = False
 
     async def open(self, host_buffer: memoryview | None = None) -> None:
@@ -32,6 +33,8 @@ class FakeTier(LowerTier):
         return [True] * len(rows)
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
+        if self.abandon_gets:
+            raise AbandonedRows("the store's call still runs")
         return [False] * len(rows)
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -53,6 +56,18 @@ def test_close_stops_and_closes_the_loop_and_ends_its_thread():
     engine.close()
     assert tier.closed and engine._loop.is_closed() and not engine._thread.is_alive()
     engine.close()  # twice is harmless
+
+
+def test_a_get_the_tier_abandons_is_reported_abandoned_so_its_slots_are_never_reused():
+    engine = TierEngine([FakeTier(abandon_gets=True)])
+    engine.start(None)
+    try:
+        assert engine.submit_get(7, 0, [(b"k1", memoryview(bytearray(3))), (b"k2", memoryview(bytearray(3)))])
+        assert engine.wait_idle(5)
+        (result,) = engine.drain()
+        assert (result.op_id, result.ok, result.abandoned) == (7, [False, False], True)
+    finally:
+        engine.close()
 
 
 def test_an_engine_never_started_or_failing_to_start_closes_its_loop():
