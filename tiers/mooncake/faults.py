@@ -68,8 +68,8 @@ def replica_hosts(descriptors: dict[str, list]) -> dict[str, set[str]]:
 class SuspectHosts:
     """Storage hosts a call overran on, each until its backoff ends (doubling per repeat).
 
-    Read on the store's threads (``active``), written on the event loop: a lock, and
-    snapshots, keep them apart.
+    Used on the event loop (a get takes an ``active`` snapshot to its store thread); the
+    lock is for readers on other threads (``MooncakeTier.suspect_hosts``).
     """
 
     def __init__(self, backoff: Backoff) -> None:
@@ -79,10 +79,14 @@ class SuspectHosts:
         self._lock = threading.Lock()
 
     def suspect(self, hosts: Iterable[str]) -> float:
-        """Mark ``hosts``; the longest rest given (s)."""
+        """Mark ``hosts``; the longest rest given (s). A host whose last rest ended more than
+        the longest rest ago starts from one strike again."""
         longest = 0.0
+        now = time.monotonic()
         with self._lock:
             for host in hosts:
+                if self._until.get(host, now) + self._backoff.max_s < now:
+                    self._strikes[host] = 0
                 self._strikes[host] += 1
                 self._until[host] = self._backoff.retry_at(self._strikes[host])
                 longest = max(longest, self._until[host] - time.monotonic())
@@ -93,14 +97,6 @@ class SuspectHosts:
         now = time.monotonic()
         with self._lock:
             return frozenset(host for host, until in self._until.items() if until > now)
-
-    def cleared(self, hosts: Iterable[str]) -> None:
-        """``hosts`` served a call: they start from one strike again next time."""
-        with self._lock:
-            for host in hosts:
-                if host in self._strikes and self._until.get(host, 0.0) <= time.monotonic():
-                    del self._strikes[host]
-                    self._until.pop(host, None)
 
 
 class DropLog:
