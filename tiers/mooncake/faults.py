@@ -12,7 +12,9 @@ with ``deadline_s = 2``). Three things keep that from reaching the engine:
   (unless the operator set them), a call stuck on a stopped or cut-off host ends within a
   few seconds (measured with 1 s: a get of objects on a SIGSTOPped ``mooncake_client``
   failed ``-800`` after 2-3 s, a put after 3-4 s), so the tier's threads are not held for a
-  minute. Process-wide, read by Mooncake when a session starts: the first tier sets them.
+  minute. Process-wide, read by Mooncake when a session starts: the first tier sets them,
+  before its ``setup`` (``setenv`` is not safe beside another thread's ``getenv``: an
+  operator who sets them before the process starts avoids even that first write).
 - The tier returns at its deadline anyway (``tiers.mooncake.tier``), and then asks the
   master a cheap question (where the late call's objects live). No answer: the master is
   down. An answer: the master is fine, and the hosts holding those objects are
