@@ -13,6 +13,7 @@ nothing, so every row crosses the wire to it.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 
@@ -40,15 +41,14 @@ def start_master(cluster: Cluster, host: Host) -> str:
     port = free_port()
     process = cluster.start(host, master_argv(host.address, port, lease_ms=300))
     deadline = time.monotonic() + 30
-    while f"{port}" not in _listening(host):
+    while f"{host.address}:{port} " not in _listening(host):
         assert process.proc.poll() is None and time.monotonic() < deadline, process.log()[-3000:]
         time.sleep(0.1)
     return f"{host.address}:{port}"
 
 
 def _listening(host: Host) -> str:
-    import subprocess
-
+    """What listens in ``host`` (``ss``'s listening TCP sockets, one line each)."""
     return subprocess.run(
         ["ip", "netns", "exec", host.netns, "ss", "-Hltn"], capture_output=True, text=True, check=False
     ).stdout
