@@ -34,6 +34,7 @@ Call contract:
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
@@ -53,7 +54,13 @@ class AbandonedRows(RuntimeError):
     rows' buffers (a store call nothing can stop, held up by one storage host): every row
     of it is a miss, and the caller must never reuse those buffers (the tier engine reports
     the operation ``abandoned``, and the manager quarantines the slots). The message names
-    the host at fault where the tier knows it."""
+    the host at fault where the tier knows it. ``ended``, when the tier can tell, completes
+    once the transfer has ended: the buffers are the caller's again (the manager then
+    frees the quarantined slots)."""
+
+    def __init__(self, message: str, ended: concurrent.futures.Future | None = None) -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 @dataclass

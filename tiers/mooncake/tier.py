@@ -56,7 +56,8 @@ checksummed, and its header slot stays reserved until the call ends). A ``get`` 
 host rows, and nothing can stop the store's call once it started: the tier waits
 ``late_get_grace_s`` (``min(1 s, deadline_s)``) more for the store's timeouts to end it,
 then raises ``AbandonedRows``: the rows are misses and the tier engine reports the
-operation abandoned, so the manager never reuses those host slots. So every call ends by
+operation abandoned, so the manager keeps those host slots out of use until the store's
+call has ended (``AbandonedRows.ended``: the store's own timeouts end it in seconds). So every call ends by
 ``deadline_s`` (a get: ``deadline_s + late_get_grace_s``) plus the event loop's latency.
 
 Drops. A row a put does not store is counted (``dropped``; by reason: ``full``,
@@ -791,7 +792,8 @@ class MooncakeTier(LowerTier):
         hosts = judging.result() if judging.done() else None
         raise AbandonedRows(
             f"mooncake tier: a get of {len(names)} rows still ran {timeout + self.late_get_grace_s:.1f} s "
-            f"after it started ({self._fault_text(hosts)}); it may still write those rows"
+            f"after it started ({self._fault_text(hosts)}); it may still write those rows",
+            ended=future,
         )
 
     async def _judge_overrun(self, names: list[str], what: str, *, blame_hosts: bool) -> list[str] | None:
