@@ -9,7 +9,7 @@ on its own event loop in a background thread, with
   their call returns); the engine's is a safety net above it. An operation that overruns
   the safety net is reported failed and ``abandoned``: its thread may still be reading or
   writing the rows, so the manager never reuses those host slots. So is a get the tier
-  itself gave up on (``AbandonedRows``); when the tier says its transfer has ended, a
+  itself gave up on (``RowsAbandoned``); when the tier says its transfer has ended, a
   ``RELEASE`` result (same op id) gives the slots back;
 - bounded in-flight work per tier (a slow tier backs up into refusals, not memory),
 - a result per key (``ok[i]``), so a partly failed batch loses only what failed.
@@ -34,7 +34,7 @@ from typing import TypeVar
 from offload.keys import key_group
 from offload.row_layout import RowConverter
 from offload.streams import single_threaded_torch
-from tiers.base import AbandonedRows, LowerTier, Row, TierError
+from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class OpKind(enum.Enum):
     CONTAINS = "contains"
     RELEASE = "release"
     """Not an operation: the rows of an abandoned ``GET`` (same ``op_id``) whose transfer has
-    since ended (``AbandonedRows.ended``): their buffers may be used again."""
+    since ended (``RowsAbandoned.ended``): their buffers may be used again."""
 
 
 @dataclass(frozen=True)
@@ -273,11 +273,11 @@ class TierEngine:
                 self.safety_deadline_s,
             )
             ok, abandoned = [False] * len(keys), True
-        except AbandonedRows as exc:  # the tier returned, its transfer may still write the rows
+        except RowsAbandoned as exc:  # the tier may still touch the rows it did not finish
             log.warning(
                 "%s tier %s of %d rows abandoned: %s", self.tiers[tier].kind, kind.value, len(keys), exc
             )
-            ok, abandoned, ended = [False] * len(keys), True, exc.ended
+            ok, abandoned, ended = list(exc.ok), True, exc.ended
         except Exception as exc:  # a failed operation: every key of it failed
             log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(keys), exc)
             ok = [False] * len(keys)

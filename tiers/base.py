@@ -28,7 +28,7 @@ Call contract:
 - ``contains(keys)`` is the authoritative, possibly remote, check; ``may_contain(key)`` is
   a cheap local guess (exact for disk, "what this client put" for remote).
 - Every call finishes within the tier's deadline (plus the slack the tier states); a
-  ``get`` that cannot stop its transfer in time raises ``AbandonedRows`` rather than wait;
+  ``get`` that cannot stop its transfer in time raises ``RowsAbandoned`` rather than wait;
   ``close()`` releases everything.
 """
 
@@ -49,17 +49,17 @@ class TierError(RuntimeError):
     """A tier that cannot start (bad path, locked database, unreachable configuration)."""
 
 
-class AbandonedRows(RuntimeError):
-    """A ``get`` that returned at its deadline while the tier's transfer may still write the
-    rows' buffers (a store call nothing can stop, held up by one storage host): every row
-    of it is a miss, and the caller must never reuse those buffers (the tier engine reports
-    the operation ``abandoned``, and the manager quarantines the slots). The message names
-    the host at fault where the tier knows it. ``ended``, when the tier can tell, completes
-    once the transfer has ended: the buffers are the caller's again (the manager then
-    frees the quarantined slots)."""
+class RowsAbandoned(TierError):
+    """A call ended, but the tier may still write into (or read) the rows it did not finish:
+    ``ok`` is the result per row, and the caller must never reuse the memory of a row whose
+    ``ok`` is ``False`` (a remote get whose peer did not answer: its WRITE may still land; a
+    Mooncake get held up by one storage host, whose store call nothing can stop). ``ended``,
+    when the tier can tell, completes once that transfer has ended: the memory is the
+    caller's again (the tier engine then reports ``OpKind.RELEASE``)."""
 
-    def __init__(self, message: str, ended: concurrent.futures.Future | None = None) -> None:
+    def __init__(self, message: str, ok: list[bool], ended: concurrent.futures.Future | None = None) -> None:
         super().__init__(message)
+        self.ok = ok
         self.ended = ended
 
 

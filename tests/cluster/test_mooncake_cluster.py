@@ -25,7 +25,7 @@ from bench.cluster_net import FAULTS, Cluster, Host, HostProcess
 from bench.mooncake_master import free_port, master_argv
 from tests.tiers.peer_fixtures import LAYOUT, HostRows, key
 from tiers.address import Address
-from tiers.base import AbandonedRows
+from tiers.base import RowsAbandoned
 from tiers.mooncake import MooncakeTier
 from tiers.settings import MooncakeSettings
 
@@ -67,10 +67,10 @@ async def open_engine(master: str, rows: HostRows) -> MooncakeTier:
 
 
 async def get_or_miss(tier: MooncakeTier, rows: list) -> list[bool]:
-    """``tier.get``, with a get the tier abandoned (``AbandonedRows``) read as all misses."""
+    """``tier.get``, with a get the tier abandoned (``RowsAbandoned``) read as all misses."""
     try:
         return await tier.get(rows)
-    except AbandonedRows:
+    except RowsAbandoned:
         return [False] * len(rows)
 
 
@@ -135,7 +135,7 @@ def test_a_faulty_storage_host_costs_a_deadline_is_named_and_no_row_is_lost_sile
             start = time.monotonic()
             try:
                 found = await tier.get(list(zip(keys[:half], rows.dst[:half], strict=True)))
-            except AbandonedRows:  # the store's call outlived the grace: the rows are given up
+            except RowsAbandoned:  # the store's call outlived the grace: the rows are given up
                 found = [False] * half
             assert found == [False] * half
             assert time.monotonic() - start < DEADLINE_S + tier.late_get_grace_s + SLACK_S

@@ -1,5 +1,5 @@
 """The tier engine's lifecycle: ``close`` leaves no loop, thread or descriptor behind; and a
-get its tier abandons (``AbandonedRows``): reported abandoned, its host slot quarantined by
+get its tier abandons (``RowsAbandoned``): reported abandoned, its host slot quarantined by
 the manager until the tier says the transfer ended."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from offload.tier_engine import GIL_SWITCH_INTERVAL_S, OpKind, TierEngine
 from offload.tiering import LowerTierChain
 from policies.lru import LRUPolicy
 from policies.placement import Placement
-from tiers.base import AbandonedRows, LowerTier, Row, TierError
+from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 
 
 class FakeTier(LowerTier):
@@ -43,7 +43,7 @@ class FakeTier(LowerTier):
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
         if self.abandon_gets:
-            raise AbandonedRows("the store's call still runs", ended=self.transfer)
+            raise RowsAbandoned("the store's call still runs", [False] * len(rows), ended=self.transfer)
         return [False] * len(rows)
 
     async def delete(self, keys: Sequence[bytes]) -> None:

@@ -22,7 +22,7 @@ from bench.mooncake_master import StorageProcess
 from tests.tiers.mooncake_fixtures import SEGMENT, free_port, open_tier, start_master
 from tests.tiers.peer_fixtures import LAYOUT, HostRows, aligned_buffer, die_with_parent, key
 from tiers.address import Address
-from tiers.base import AbandonedRows, TierError
+from tiers.base import RowsAbandoned, TierError
 from tiers.mooncake import MooncakeTier, object_key
 from tiers.mooncake.faults import replica_hosts
 from tiers.row_format import RowHeader, checksum
@@ -51,10 +51,10 @@ async def wait_for(condition, within_s: float) -> None:
 
 
 async def get_or_miss(tier: MooncakeTier, rows: list) -> list[bool]:
-    """``tier.get``, with a get the tier abandoned (``AbandonedRows``) read as all misses."""
+    """``tier.get``, with a get the tier abandoned (``RowsAbandoned``) read as all misses."""
     try:
         return await tier.get(rows)
-    except AbandonedRows:
+    except RowsAbandoned:
         return [False] * len(rows)
 
 
@@ -292,7 +292,7 @@ async def test_a_stopped_storage_host_costs_a_deadline_is_named_and_the_master_s
             abandoned = None
             try:
                 found = await tier.get(list(zip(keys[:8], rows.dst[:8], strict=True)))
-            except AbandonedRows as exc:  # the store's call outlived the grace: named, rows given up
+            except RowsAbandoned as exc:  # the store's call outlived the grace: named, rows given up
                 found, abandoned = [False] * 8, exc
                 assert endpoint in str(exc) or "does not say" in str(exc)
             assert found == [False] * 8

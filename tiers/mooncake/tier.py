@@ -55,9 +55,9 @@ its deadline even if the store's call goes on (a late put is harmless: its row i
 checksummed, and its header slot stays reserved until the call ends). A ``get`` writes into
 host rows, and nothing can stop the store's call once it started: the tier waits
 ``late_get_grace_s`` (``min(1 s, deadline_s)``) more for the store's timeouts to end it,
-then raises ``AbandonedRows``: the rows are misses and the tier engine reports the
+then raises ``RowsAbandoned``: the rows are misses and the tier engine reports the
 operation abandoned, so the manager keeps those host slots out of use until the store's
-call has ended (``AbandonedRows.ended``: the store's own timeouts end it in seconds). So every call ends by
+call has ended (``RowsAbandoned.ended``: the store's own timeouts end it in seconds). So every call ends by
 ``deadline_s`` (a get: ``deadline_s + late_get_grace_s``) plus the event loop's latency.
 
 Drops. A row a put does not store is counted (``dropped``; by reason: ``full``,
@@ -103,7 +103,7 @@ from typing import Any
 
 import numpy as np
 
-from tiers.base import AbandonedRows, LowerTier, Row, TierError, TierStats
+from tiers.base import LowerTier, Row, RowsAbandoned, TierError, TierStats
 from tiers.fast_checksum import checksum_at
 from tiers.mooncake import hostname as mooncake_hostname
 from tiers.mooncake import listen as mooncake_listen
@@ -615,7 +615,7 @@ class MooncakeTier(LowerTier):
         """Get header + row into the buffers; ``layouts``, when given, receives each hit's
         layout id (its own, or one of ``readable_layouts``). Objects held only on a storage
         host that a call overran on lately (``SuspectHosts``) are misses, not asked for.
-        ``AbandonedRows`` if the store's call still runs ``late_get_grace_s`` past the
+        ``RowsAbandoned`` if the store's call still runs ``late_get_grace_s`` past the
         deadline (see the module docstring)."""
         served: list[bytes | None] = [None] * len(rows)
         avoid = self._suspects.active()
@@ -770,7 +770,7 @@ class MooncakeTier(LowerTier):
         is down only if it does not answer a probe; otherwise the hosts holding ``names``
         rest (not after a ``lookup``: a call only the master serves). With ``must_finish``
         (a get, which writes host rows) the call is waited for ``late_get_grace_s`` more,
-        then given up on: ``AbandonedRows``."""
+        then given up on: ``RowsAbandoned``."""
         waiter = asyncio.wrap_future(future)
         done, _ = await asyncio.wait({waiter}, timeout=max(0.0, timeout))
         if done:
@@ -790,9 +790,10 @@ class MooncakeTier(LowerTier):
         self._stats.abandoned += len(names)
         await asyncio.wait({judging}, timeout=0.1)
         hosts = judging.result() if judging.done() else None
-        raise AbandonedRows(
+        raise RowsAbandoned(
             f"mooncake tier: a get of {len(names)} rows still ran {timeout + self.late_get_grace_s:.1f} s "
             f"after it started ({self._fault_text(hosts)}); it may still write those rows",
+            [False] * len(names),
             ended=future,
         )
 
