@@ -6,6 +6,7 @@ each other with ``P2PHANDSHAKE``, so no HTTP metadata server runs (the master's 
 0.0.0.0 whatever its host flag says). ``restart`` brings a killed master back on the same
 port, as an operator would. Whoever starts a master must ``close()`` it. A production
 cluster runs its masters (with HA) itself; kvtier only needs their address.
+``StorageProcess`` runs Mooncake's storage-only client beside it (a storage host).
 """
 
 from __future__ import annotations
@@ -35,19 +36,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def master_argv(host: str, port: int, lease_ms: int) -> list[str]:
+    """The command line of a master whose RPC port is ``host:port`` (P2P handshakes: no
+    metadata server; its metrics server on the loopback)."""
+    return [
+        str(master_binary()),
+        f"--rpc_port={port}",
+        f"--rpc_address={host}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={free_port()}",
+        f"--default_kv_lease_ttl={lease_ms}",
+        "--rpc_thread_num=2",
+    ]
+
+
 class MasterProcess:
     """One ``mooncake_master`` child, logging to ``log_path``.
 
     ``lease_ms``: how long an object stays unevictable after a put or a get (the master's
     default, 10 s, makes eviction slow to observe). ``preexec_fn``: run in the child before
-    the binary (e.g. to die with the parent).
+    the binary (e.g. to die with the parent). ``host``: the address its RPC port is bound to
+    (another one of this machine's, or of a network namespace's, to be reached off the loopback).
     """
 
     def __init__(
-        self, log_path: Path, *, lease_ms: int = 300, preexec_fn: Callable[[], None] | None = None
+        self,
+        log_path: Path,
+        *,
+        lease_ms: int = 300,
+        preexec_fn: Callable[[], None] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.log_path = log_path
         self.lease_ms = lease_ms
         self.preexec_fn = preexec_fn
@@ -55,15 +77,7 @@ class MasterProcess:
         self.start()
 
     def start(self) -> None:
-        args = [
-            str(master_binary()),
-            f"--rpc_port={self.port}",
-            "--rpc_address=127.0.0.1",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={free_port()}",
-            f"--default_kv_lease_ttl={self.lease_ms}",
-            "--rpc_thread_num=2",
-        ]
+        args = master_argv(self.host, self.port, self.lease_ms)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=self.preexec_fn
@@ -72,7 +86,7 @@ class MasterProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}):\n{self.log()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.2):
                 return
             time.sleep(0.05)
         self.close()
@@ -106,6 +120,63 @@ class MasterProcess:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class StorageProcess:
+    """One ``mooncake_client`` child: Mooncake's own storage-only client, which mounts a
+    ``segment_bytes`` segment of its memory into the pool of the master at ``master`` and
+    serves it at ``host`` (its ``local_hostname``). What a storage host runs in a cluster;
+    tests freeze (``stop``), resume and kill it. Whoever starts one must ``close()`` it."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        master: str,
+        *,
+        segment_bytes: int = 64 << 20,
+        host: str = "127.0.0.1",
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.port = free_port()  # its own service port: open once the segment is mounted
+        self.log_path = log_path
+        args = [
+            str(master_binary().parent / "mooncake_client"),
+            f"--host={host}",
+            f"--port={self.port}",
+            f"--global_segment_size={segment_bytes}",
+            "--local_buffer_size=16MB",
+            f"--master_server_address={master}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+        ]
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log, preexec_fn=preexec_fn)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n{self.log()}")
+            with contextlib.suppress(OSError), socket.create_connection((host, self.port), 0.2):
+                return
+            time.sleep(0.05)
+        self.close()
+        raise RuntimeError(f"mooncake_client did not come up:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        """Freeze it (SIGSTOP): its sockets stay open, and nothing answers on them."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(10)

@@ -22,6 +22,10 @@ BENCHMARKS = {
     "policy": ("bench.policy", "eviction policies on traces against Belady's OPT and vLLM"),
     "disk": ("bench.disk", "LMDB disk tier row writes and reads against plain file I/O"),
     "remote": ("bench.remote", "peer tier gets and puts against a raw NIXL transfer"),
+    "cluster": (
+        "bench.cluster",
+        "peers on simulated hosts: GB/s per host count vs raw NIXL, idle CPU, faults",
+    ),
     "convert": ("bench.convert", "loading rows stored by an engine of another layout vs the same layout"),
     "mooncake": ("bench.mooncake", "Mooncake Store tier puts and gets against the store's own batch calls"),
     "e2e": ("bench.e2e", "long-context workloads end to end: hits per tier, load latency, TTFT"),

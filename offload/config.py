@@ -27,7 +27,8 @@
     capacity = "16GiB"       # the memory this process mounts into the store's pool
     metadata_server = "P2PHANDSHAKE"  # or "http://host:port/metadata", or an etcd address
     protocol = "tcp"         # or "rdma" (with device_name = "mlx5_0")
-    local_hostname = "10.0.0.7"       # where other clients reach this one's memory
+    local_hostname = "10.0.0.7"       # where other clients reach this one's memory (default:
+                                      # this machine's address on the route to the master)
     listen_interface = ""    # its listeners only on the interface of local_hostname ("*": all)
 
 Mooncake Store has no credentials: any client of the cluster reads, overwrites and removes
@@ -272,6 +273,7 @@ def _parse_mooncake(raw: Mapping[str, Any], where: str, common: dict[str, Any]) 
     """The Mooncake keys; also checks that the Mooncake client imports (else: how to install it)."""
     from tiers.base import TierError
     from tiers.mooncake import MIN_SEGMENT_BYTES, store_class
+    from tiers.mooncake import hostname as mooncake_hostname
     from tiers.mooncake import listen as mooncake_listen
 
     prefix = f"{where}."
@@ -288,10 +290,14 @@ def _parse_mooncake(raw: Mapping[str, Any], where: str, common: dict[str, Any]) 
             f"{where}.replicas = {replicas!r}: expected a number of copies in [1, {MAX_REPLICAS}]"
         )
     deadline = _seconds(raw, "deadline_s", where, 2.0, maximum=30.0)
-    local_hostname = _string(raw, "local_hostname", prefix, "127.0.0.1")
-    problem = mooncake_listen.check_hostname(local_hostname)
-    if problem:
-        raise ConfigError(f"{where}.local_hostname = {local_hostname!r}: {problem}")
+    local_hostname = ""  # unset: the tier takes this machine's address on the route to the master
+    if "local_hostname" in raw:
+        local_hostname = _string(raw, "local_hostname", prefix, "")
+        problem = mooncake_listen.check_hostname(local_hostname) or mooncake_hostname.loopback_problem(
+            local_hostname, address
+        )
+        if problem:
+            raise ConfigError(f"{where}.local_hostname = {local_hostname!r}: {problem}")
     listen_interface = _string(raw, "listen_interface", prefix, "")
     problem = mooncake_listen.check_listen_interface(listen_interface)
     if problem:

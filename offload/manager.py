@@ -172,7 +172,7 @@ class ManagerStats:
     loaded_rows: int = 0
     evictions: int = 0
     rejected_stores: int = 0
-    quarantined_slots: int = 0
+    quarantined_slots: int = 0  # slots a tier may still write (abandoned promotions), now
 
 
 @dataclass
@@ -210,6 +210,8 @@ class HostTierManager:
         self._make_policy = make_policy
         self._rows: dict[OffloadKey, _Row] = {}
         self._allocators = [SlotAllocator(slots_per_group) for _ in range(num_groups)]
+        # Per abandoned promotion (op id): the (group, slot)s its tier may still write.
+        self._quarantined: dict[int, list[tuple[int, int]]] = {}
         self._policies = [make_policy(slots_per_group) for _ in range(num_groups)]
         self._events = _Events()
         self.stats = ManagerStats()
@@ -500,6 +502,8 @@ class HostTierManager:
                 self._finish_promotion(result)
             elif result.kind is OpKind.PUT:
                 self._finish_copy_down(result)
+            elif result.kind is OpKind.RELEASE:
+                self._release_quarantined(result.op_id)
         if results:
             self._write_back()  # rows that finished copying may have left room for more
 
@@ -665,11 +669,19 @@ class HostTierManager:
                 self._events.stored[key] = None
                 continue
             self._policies[row.group].on_remove(key)
-            if result.abandoned:  # the tier may still write into the slot: it never returns to use
+            if result.abandoned:  # the tier may still write into the slot: out of use until it says
                 del self._rows[key]
                 self.stats.quarantined_slots += 1
+                self._quarantined.setdefault(result.op_id, []).append((row.group, row.slot))
             else:
                 self._drop(key, removed_event=False)
+
+    def _release_quarantined(self, op_id: int) -> None:
+        """The transfer of an abandoned promotion has ended (``OpKind.RELEASE``): its slots
+        are free again."""
+        for group, slot in self._quarantined.pop(op_id, ()):
+            self._allocators[group].free([slot])
+            self.stats.quarantined_slots -= 1
 
     def _copy_down(self, keys: Sequence[OffloadKey], *, on_evict: bool) -> None:
         """Start copying host rows to the tiers that take them (write-back or write-through)."""

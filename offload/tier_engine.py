@@ -8,7 +8,9 @@ on its own event loop in a background thread, with
 - a deadline on every operation: tiers keep their own (and must not touch a row after
   their call returns); the engine's is a safety net above it. An operation that overruns
   the safety net is reported failed and ``abandoned``: its thread may still be reading or
-  writing the rows, so the manager never reuses those host slots;
+  writing the rows, so the manager never reuses those host slots. So is a get the tier
+  itself gave up on (``RowsAbandoned``); when the tier says its transfer has ended, a
+  ``RELEASE`` result (same op id) gives the slots back;
 - bounded in-flight work per tier (a slow tier backs up into refusals, not memory),
 - a result per key (``ok[i]``), so a partly failed batch loses only what failed.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import enum
 import logging
 import sys
@@ -42,6 +45,9 @@ class OpKind(enum.Enum):
     PUT = "put"
     GET = "get"
     CONTAINS = "contains"
+    RELEASE = "release"
+    """Not an operation: the rows of an abandoned ``GET`` (same ``op_id``) whose transfer has
+    since ended (``RowsAbandoned.ended``): their buffers may be used again."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,7 @@ class TierEngine:
     ) -> None:
         start = self._loop.time()
         abandoned = False
+        ended: concurrent.futures.Future | None = None
         try:
             ok = await asyncio.wait_for(operation(), self.safety_deadline_s)
             if len(ok) != len(keys):
@@ -270,7 +277,7 @@ class TierEngine:
             log.warning(
                 "%s tier %s of %d rows abandoned: %s", self.tiers[tier].kind, kind.value, len(keys), exc
             )
-            ok, abandoned = list(exc.ok), True
+            ok, abandoned, ended = list(exc.ok), True, exc.ended
         except Exception as exc:  # a failed operation: every key of it failed
             log.warning("%s tier %s of %d rows failed: %r", self.tiers[tier].kind, kind.value, len(keys), exc)
             ok = [False] * len(keys)
@@ -280,6 +287,9 @@ class TierEngine:
         self._results.append(
             OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned, foreign)
         )
+        if ended is not None:  # after the GET's result: whoever drains sees the two in order
+            release = OpResult(op_id, OpKind.RELEASE, tier, keys, [True] * len(keys), 0.0)
+            ended.add_done_callback(lambda _f: self._results.append(release))  # deque: thread-safe
         with self._idle:
             self._inflight[tier] -= 1
             self._idle.notify_all()

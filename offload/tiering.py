@@ -281,6 +281,8 @@ class LowerTierChain:
         """
         results = self.engine.drain() if self.engine.has_results() else []
         for result in results:
+            if result.kind is OpKind.RELEASE:  # slots of an abandoned get: the caller's to free
+                continue
             landed: list[bytes] = []
             failed: list[bytes] = []
             if result.kind is OpKind.GET:

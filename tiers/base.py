@@ -27,11 +27,14 @@ Call contract:
   its owner converts from); when ``layouts`` is given it receives each hit's layout id.
 - ``contains(keys)`` is the authoritative, possibly remote, check; ``may_contain(key)`` is
   a cheap local guess (exact for disk, "what this client put" for remote).
-- Every call finishes within the tier's deadline; ``close()`` releases everything.
+- Every call finishes within the tier's deadline (plus the slack the tier states); a
+  ``get`` that cannot stop its transfer in time raises ``RowsAbandoned`` rather than wait;
+  ``close()`` releases everything.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,11 +52,15 @@ class TierError(RuntimeError):
 class RowsAbandoned(TierError):
     """A call ended, but the tier may still write into (or read) the rows it did not finish:
     ``ok`` is the result per row, and the caller must never reuse the memory of a row whose
-    ``ok`` is ``False`` (a remote get whose peer did not answer: its WRITE may still land)."""
+    ``ok`` is ``False`` (a remote get whose peer did not answer: its WRITE may still land; a
+    Mooncake get held up by one storage host, whose store call nothing can stop). ``ended``,
+    when the tier can tell, completes once that transfer has ended: the memory is the
+    caller's again (the tier engine then reports ``OpKind.RELEASE``)."""
 
-    def __init__(self, message: str, ok: list[bool]) -> None:
+    def __init__(self, message: str, ok: list[bool], ended: concurrent.futures.Future | None = None) -> None:
         super().__init__(message)
         self.ok = ok
+        self.ended = ended
 
 
 @dataclass

@@ -98,6 +98,6 @@ class MooncakeSettings(LowerTierSettings):
     local_buffer_bytes: int = 16 << 20
     protocol: str = "tcp"
     device_name: str = ""
-    local_hostname: str = "127.0.0.1"
+    local_hostname: str = ""  # "": this machine's address on the route to the master
     listen_interface: str = ""  # "": the interface holding local_hostname; "*": every interface
     replicas: int = 1

@@ -135,6 +135,8 @@ class _KVTierSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         for result in self.engine.drain():
+            if result.kind is OpKind.RELEASE:  # vLLM's own buffers: nothing held here to free
+                continue
             if result.kind is OpKind.CONTAINS:
                 self._asks.learn(result)
                 continue

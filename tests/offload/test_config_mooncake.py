@@ -84,6 +84,20 @@ def test_errors_name_the_key_and_value(keys, message):
         parse_config({"tiers": tiers(**keys)})
 
 
+def test_local_hostname_unset_is_left_to_the_tier_and_a_loopback_one_needs_a_loopback_master():
+    pytest.importorskip("mooncake.store")
+    assert parse_config({"tiers": tiers(master="10.0.0.5:50051")}).tiers[1].local_hostname == ""
+    here = parse_config({"tiers": tiers(master="127.0.0.1:50051", local_hostname="127.0.0.1")}).tiers[1]
+    assert here.local_hostname == "127.0.0.1"
+    for loopback in ("127.0.0.1", "localhost", "127.0.0.1:17001"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"tiers\[1\]\.local_hostname = '{loopback}': a loopback address, while the master "
+            r"\(10\.0\.0\.5:50051\) is not",
+        ):
+            parse_config({"tiers": tiers(master="10.0.0.5:50051", local_hostname=loopback)})
+
+
 def test_without_the_package_the_error_names_the_tier_and_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # what an absent package looks like
     with pytest.raises(

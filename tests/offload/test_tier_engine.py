@@ -1,29 +1,39 @@
-"""The tier engine's lifecycle: ``close`` leaves no loop, thread or descriptor behind."""
+"""The tier engine's lifecycle: ``close`` leaves no loop, thread or descriptor behind; and a
+get its tier abandons (``RowsAbandoned``): reported abandoned, its host slot quarantined by
+the manager until the tier says the transfer ended."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 from collections.abc import Sequence
 
 import pytest
 
-from offload.tier_engine import GIL_SWITCH_INTERVAL_S, TierEngine
+from offload.keys import make_key
+from offload.manager import HostTierManager, Lookup
+from offload.tier_engine import GIL_SWITCH_INTERVAL_S, OpKind, TierEngine
+from offload.tiering import LowerTierChain
+from policies.lru import LRUPolicy
+from policies.placement import Placement
 from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 
 
 class FakeTier(LowerTier):
     kind = "fake"
 
-    def __init__(self, fail_open: bool = False) -> None:
+    def __init__(self, fail_open: bool = False, abandon_gets: bool = False) -> None:
         self.fail_open = fail_open
+        self.abandon_gets = abandon_gets
         self.closed = False
+        self.transfer: concurrent.futures.Future = concurrent.futures.Future()  # an abandoned get's
 
     async def open(self, host_buffer: memoryview | None = None) -> None:
         if self.fail_open:
             raise TierError("cannot start")
 
     def may_contain(self, key: bytes) -> bool:
-        return False
+        return self.abandon_gets  # a tier that abandons gets claims every key: it gets asked
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)
@@ -32,6 +42,8 @@ class FakeTier(LowerTier):
         return [True] * len(rows)
 
     async def get(self, rows: Sequence[Row], layouts: list[bytes | None] | None = None) -> list[bool]:
+        if self.abandon_gets:
+            raise RowsAbandoned("the store's call still runs", [False] * len(rows), ended=self.transfer)
         return [False] * len(rows)
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -53,6 +65,64 @@ def test_close_stops_and_closes_the_loop_and_ends_its_thread():
     engine.close()
     assert tier.closed and engine._loop.is_closed() and not engine._thread.is_alive()
     engine.close()  # twice is harmless
+
+
+def test_a_get_the_tier_abandons_is_reported_abandoned_then_released_when_its_transfer_ends():
+    tier = FakeTier(abandon_gets=True)
+    engine = TierEngine([tier])
+    engine.start(None)
+    try:
+        assert engine.submit_get(7, 0, [(b"k1", memoryview(bytearray(3))), (b"k2", memoryview(bytearray(3)))])
+        assert engine.wait_idle(5)
+        (result,) = engine.drain()
+        assert (result.op_id, result.kind, result.ok, result.abandoned) == (
+            7,
+            OpKind.GET,
+            [False, False],
+            True,
+        )
+        assert engine.drain() == []  # the transfer still runs: nothing to release yet
+        tier.transfer.set_result(None)
+        (release,) = engine.drain()
+        assert (release.op_id, release.kind, release.keys) == (7, OpKind.RELEASE, [b"k1", b"k2"])
+    finally:
+        engine.close()
+
+
+def test_an_abandoned_promotions_slot_is_out_of_use_until_its_transfer_ends():
+    """The host tier has 4 slots. A promotion its tier abandons keeps one of them out of
+    use (the late transfer may still write it): only 3 rows fit; once the tier says the
+    transfer ended, all 4 do again."""
+    tier = FakeTier(abandon_gets=True)
+    engine = TierEngine([tier])
+    host = bytearray(4 * 16)
+    manager = HostTierManager(
+        1,
+        4,
+        LRUPolicy,
+        lower=LowerTierChain([tier], [Placement()], engine),
+        host_row=lambda group, slot: memoryview(host)[slot * 16 : (slot + 1) * 16],
+    )
+    engine.start(memoryview(host))
+    key = lambda n: make_key(n.to_bytes(8, "big"), 0)  # noqa: E731
+    try:
+        assert manager.lookup(key(99)) is Lookup.HIT_PENDING  # the tier claims it: promoted
+        manager.poll()  # sends the promotion
+        assert engine.wait_idle(5)
+        manager.poll()  # applies its abandoned result
+        assert manager.stats.quarantined_slots == 1
+        assert manager.lookup(key(98)) is Lookup.HIT_PENDING  # another promotion, another slot
+        manager.poll()
+        assert engine.wait_idle(5)
+        manager.poll()
+        assert manager.stats.quarantined_slots == 2
+        tier.transfer.set_result(None)  # both gets raised with the same transfer: both end now
+        manager.poll()
+        assert manager.stats.quarantined_slots == 0
+        stored = manager.prepare_store([key(n) for n in range(4)])
+        assert stored is not None and len(stored.keys_to_store) == 4 and not stored.evicted_keys
+    finally:
+        engine.close()
 
 
 def test_an_engine_never_started_or_failing_to_start_closes_its_loop():

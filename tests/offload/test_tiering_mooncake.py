@@ -85,3 +85,23 @@ def test_another_engine_finds_rows_and_another_tenant_does_not(master):
             engine_b.load(keys, [6, 7, 8])
             engine_b.wait()
             assert [engine_b.caches.read_row(0, b) for b in (6, 7, 8)] == computed
+
+
+def test_rows_a_spill_could_not_place_are_counted_in_the_offloaders_stats(tmp_path):
+    """No drop is silent: with the master gone, every spilled row is counted dropped, and
+    the reasons' counters are in ``Offloader.stats()``."""
+    master = start_master(tmp_path)
+    kv, groups = per_layer_blocks_first()
+    keys = keys_for("lost", 3)
+    try:
+        with Offloader(kv, groups, config(master, 4, row_bytes())) as offloader:
+            master.kill()
+            for i, key in enumerate(keys):
+                offloader.store([key], [i])
+                offloader.wait()
+                offloader.wait_tiers()
+            tier = offloader.stats()["tiers"]["mooncake"]
+            assert (tier["stored"], tier["dropped"]) == (0, 3), tier
+            assert {"full", "unreachable", "timeouts", "skipped_down", "host_faults"} <= tier.keys()
+    finally:
+        master.close()

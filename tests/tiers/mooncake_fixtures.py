@@ -18,9 +18,9 @@ __all__ = ["SEGMENT", "MasterProcess", "free_port", "open_tier", "start_master"]
 SEGMENT = 32 << 20
 
 
-def start_master(log_dir: Path) -> MasterProcess:
-    """A master with short leases (300 ms), killed with the test process."""
-    return MasterProcess(log_dir / f"master-{free_port()}.log", preexec_fn=die_with_parent)
+def start_master(log_dir: Path, host: str = "127.0.0.1") -> MasterProcess:
+    """A master with short leases (300 ms) on ``host``, killed with the test process."""
+    return MasterProcess(log_dir / f"master-{free_port()}.log", preexec_fn=die_with_parent, host=host)
 
 
 @contextlib.asynccontextmanager
@@ -30,11 +30,8 @@ async def open_tier(
     """A tier with its own 32 MiB segment (so each test's rows live in its own memory);
     ``kwargs`` are ``MooncakeSettings`` fields, or the constructor's other arguments."""
     keys = {f.name for f in dataclasses.fields(MooncakeSettings)}
-    settings = MooncakeSettings(
-        capacity_bytes=SEGMENT,
-        master=Address.parse(master.address),
-        **{k: kwargs.pop(k) for k in list(kwargs) if k in keys},
-    )
+    fields = {"capacity_bytes": SEGMENT, **{k: kwargs.pop(k) for k in list(kwargs) if k in keys}}
+    settings = MooncakeSettings(master=Address.parse(master.address), **fields)
     tier = MooncakeTier(settings, namespace.ljust(16, b"\x00"), LAYOUT, **kwargs)
     await tier.open(host)
     try:

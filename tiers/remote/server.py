@@ -101,7 +101,9 @@ while its rows are still in cache (xxh3 ran at about twice its DRAM speed on cac
 REPLY_MARGIN_S = 0.01
 """A transfer ends this long before the client's budget runs out, so the answer can reach it."""
 AGENT_START_S = 30.0
-SWEEP_S = 0.1
+SWEEP_S = 1.0
+"""Expired allocations and leases are taken back this often, or four times per the shorter
+TTL if that is more often (TTLs are safety nets: a late sweep only holds slots longer)."""
 
 
 class TransferFailed(Exception):
@@ -280,8 +282,9 @@ class PeerServer:
             await asyncio.to_thread(self.memory.close)
 
     async def _sweep(self) -> None:
+        interval = min(SWEEP_S, self.settings.alloc_ttl_s / 4, self.settings.lease_ttl_s / 4)
         while True:
-            await asyncio.sleep(SWEEP_S)
+            await asyncio.sleep(interval)
             self.pool.expire()
 
     # -- connections ------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from tiers.base import LowerTier, Row, RowsAbandoned, TierError
 from tiers.remote.client import PeerRefused, PeerTimeout, PeerUnavailable
 from tiers.remote.data_plane import DataPlane, GetAbandoned
 from tiers.remote.membership import Link, Membership, Peer
+from tiers.remote.net_iface import configure_ucx_for_peers
 from tiers.remote.nixl_agent import GRACE_S, AgentThread, TransferError, TransferTimeout
 from tiers.remote.protocol import MAX_KEYS, valid_tenant
 from tiers.remote.routing import batches, batches_by_bytes, group_by_owner, rendezvous_owner, wire_keys
@@ -165,10 +166,15 @@ class RemoteTier(LowerTier):
     async def open(self, host_buffer: memoryview | None = None) -> None:
         """Start the NIXL agent, register the host tier once and reach every peer.
 
+        UCX is first pointed at the network of the configured peers (``net_iface``:
+        ``UCX_NET_DEVICES``, and ``UCX_TLS=tcp`` when no peer is on this host), unless the
+        user set those variables.
+
         A peer that cannot be reached now is not an error (it is retried with backoff); a
         missing or read-only host buffer, or a NIXL agent that cannot start, is.
         """
         self._host = HostRegion.of(host_buffer, "remote")
+        configure_ucx_for_peers([peer.host for peer in self._members.peers])  # before UCX starts
         self._agent = AgentThread(f"kvtier-remote-{os.getpid()}-{uuid.uuid4().hex[:8]}", after_thread=False)
         scratch = self._members.scratch
         try:
