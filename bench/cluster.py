@@ -36,7 +36,6 @@ from pathlib import Path
 
 from bench.cluster_net import FAULTS, Cluster, HostProcess, probe
 from bench.report import write_json
-
 from tiers.sizes import parse_size
 
 QUIET_S = 3.0
