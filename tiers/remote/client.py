@@ -11,7 +11,9 @@ Failures come in two kinds, so the caller can tell a sick peer from a refused re
 - ``PeerUnavailable`` (and ``PeerTimeout``): the connection is unusable (refused, closed,
   authentication failed, a reply late or malformed). The caller marks the peer down.
 - ``PeerRefused``: the peer answered ERROR to this one request (an expired allocation, a
-  limit); the connection is fine.
+  limit); the connection is fine. (A transfer the peer could not finish is not a refusal:
+  the peer drops this client's agent and the connection, so it is ``PeerUnavailable``, or
+  ``PeerTimeout`` when the transfer ran out of time.)
 
 When the connection breaks while idle (the peer was killed: EOF), ``on_lost`` is called
 once, so the peer is marked down before any call has to fail on it.
@@ -261,6 +263,12 @@ class PeerClient:
             self._pending.pop(request_id, None)
         if frame.type == proto.Msg.ERROR:
             code, text = self._decode(proto.decode_error, frame.payload)
+            if code in (proto.ErrorCode.TRANSFER_FAILED, proto.ErrorCode.TRANSFER_TIMEOUT):
+                # The peer dropped this client's agent and closes the connection: every call
+                # on it is over, and the peer is at fault (late, or its transfer failed).
+                self._lose(f"its transfer failed: {text}")
+                failure = PeerTimeout if code == proto.ErrorCode.TRANSFER_TIMEOUT else PeerUnavailable
+                raise failure(f"{self.address}: its transfer failed: {text}")
             raise PeerRefused(code, text)
         if frame.type != reply:
             self._break(f"{frame.type.name} in reply to {msg.name}")

@@ -39,7 +39,7 @@ from tiers.fast_checksum import checksum_at
 from tiers.remote.client import PeerRefused, PeerTimeout, PeerUnavailable
 from tiers.remote.membership import Link
 from tiers.remote.nixl_agent import AgentThread, TransferError
-from tiers.remote.protocol import ErrorCode, Landed
+from tiers.remote.protocol import Landed
 from tiers.remote.stats import RemoteStats
 from tiers.row_format import RowHeader, header_refusal
 
@@ -157,10 +157,8 @@ class DataPlane:
                 headers = await link.client.get(
                     [wire[i] for i in idxs], [len(views[i]) for i in idxs], [addrs[i] for i in idxs], deadline
                 )
-        except PeerRefused as exc:
-            if exc.code != ErrorCode.TRANSFER_FAILED:
-                raise  # refused before any transfer started: nothing can land
-            raise GetAbandoned(f"{link.peer.address}: {exc}") from exc
+        except PeerRefused:
+            raise  # refused before any transfer started: nothing can land
         except PeerUnavailable as exc:
             if isinstance(exc, PeerTimeout):
                 self._stats.timeouts += 1

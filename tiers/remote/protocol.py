@@ -152,8 +152,9 @@ class ErrorCode(IntEnum):
     UNKNOWN_ALLOCATION = 1  # expired or never made: the put's keys are not stored
     LIMIT = 2  # too many allocations or leases held by this connection
     BAD_REQUEST = 3  # well-formed but inconsistent (a header count that does not match)
-    TRANSFER_FAILED = 4  # the peer's NIXL transfer failed or ran out of budget; the
-    # connection closes after this reply (the peer dropped this client's NIXL agent)
+    TRANSFER_FAILED = 4  # the peer's NIXL transfer failed; the connection closes after this
+    # reply (the peer dropped this client's NIXL agent)
+    TRANSFER_TIMEOUT = 5  # the same, because the transfer ran out of the client's budget
 
 
 _MSG_VALUES = frozenset(int(m) for m in Msg)

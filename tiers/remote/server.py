@@ -64,7 +64,7 @@ from tiers.fast_checksum import checksum_at
 from tiers.remote import protocol as proto
 from tiers.remote.auth import Credentials, read_token_file
 from tiers.remote.net_iface import bind_ucx_to
-from tiers.remote.nixl_agent import AgentThread, descriptors, quietly, settle
+from tiers.remote.nixl_agent import AgentThread, TransferTimeout, descriptors, quietly, settle
 from tiers.remote.nixl_metadata import MetadataError, check_client_metadata
 from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
 from tiers.row_format import RowHeader
@@ -107,7 +107,12 @@ TTL if that is more often (TTLs are safety nets: a late sweep only holds slots l
 
 
 class TransferFailed(Exception):
-    """The peer's READ or WRITE of a client's rows failed: answered, then the connection closes."""
+    """The peer's READ or WRITE of a client's rows failed (``timed_out``: ran out of the
+    client's budget): answered, then the connection closes."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,7 @@ class ServedMemory:
         outcomes = await settle(future, deadline, len(sizes))
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
-                raise TransferFailed(str(outcome))
+                raise TransferFailed(str(outcome), timed_out=isinstance(outcome, TransferTimeout))
         return outcomes
 
     async def read_probe(self, name: str, probe_addr: int, deadline: float) -> bytes:
@@ -498,8 +503,9 @@ class PeerServer:
         except TransferFailed as exc:
             self.counters.transfers_failed += 1
             log.warning("a transfer for agent %s failed: %s; closing its connection", agent, exc)
+            code = proto.ErrorCode.TRANSFER_TIMEOUT if exc.timed_out else proto.ErrorCode.TRANSFER_FAILED
             with contextlib.suppress(Exception):
-                await self._send(writer, session, *_error(rid, proto.ErrorCode.TRANSFER_FAILED, str(exc)))
+                await self._send(writer, session, *_error(rid, code, str(exc)))
             writer.close()
         except (ConnectionError, TimeoutError):
             writer.close()
