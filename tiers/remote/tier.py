@@ -287,7 +287,6 @@ class RemoteTier(LowerTier):
             peers=len(self._members.peers),
             peers_up=sum(1 for p in self._members.peers if p.up),
             known_keys=len(self._known),
-            parts_checksummed_beside=self._agent.parts_after_beside if self._agent is not None else 0,
         )
 
     # -- introspection for tests and benchmarks ---------------------------------------------
