@@ -349,3 +349,14 @@ def test_events_dropped_unread_leave_the_next_ones_intact():
         TierEvent([k(1)], "host", removed=True),
         TierEvent([k(3)], "host", removed=False),
     ]
+
+
+def test_a_stored_row_offered_again_is_used_again():
+    m = manager(slots=3)
+    for i in (1, 2, 3):
+        stored(m, i)  # oldest first: 1, 2, 3
+    first = m.prepare_store([k(1), k(4)])  # vLLM offers a whole prompt: k(1) is a use
+    assert first is not None and first.evicted_keys == [k(2)]
+    m.complete_store(first.keys_to_store)
+    later = m.prepare_store([k(5)])
+    assert later is not None and later.evicted_keys == [k(3)]  # not k(1): it was used after k(3)
