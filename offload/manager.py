@@ -303,6 +303,13 @@ class HostTierManager:
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> HostSlots:
         """Pin readable rows for loading; all or none (a key that is not a HIT raises)."""
+        slots, layouts = self.pin_for_load(keys)
+        return HostSlots(list(keys), slots, layouts)
+
+    def pin_for_load(self, keys: Sequence[OffloadKey]) -> tuple[list[int], list[bytes | None] | None]:
+        """``prepare_load`` as ``(slots, layouts)``, for a front end that builds its own spec
+        (a ``HostSlots``, a frozen dataclass, costs ~0.6 us: a third of what vLLM's adapter
+        added per request over the manager called directly)."""
         rows = []
         for key in keys:
             row = self._rows.get(key)
@@ -314,7 +321,7 @@ class HostTierManager:
             row.pins += 1
             step_hits.pop(key, None)  # the pin protects it now
         layouts = [row.layout for row in rows]
-        return HostSlots(list(keys), [row.slot for row in rows], layouts if any(layouts) else None)
+        return [row.slot for row in rows], layouts if any(layouts) else None
 
     def _drop_oldest_step_hit(self) -> None:
         # OrderedDict: O(1) here, where deleting a plain dict's first key over and over
@@ -353,6 +360,17 @@ class HostTierManager:
     # -- stores ------------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> StorePlan | None:
+        planned = self.plan_store(keys)
+        if planned is None:
+            return None
+        new_keys, slots, evicted = planned
+        return StorePlan(new_keys, HostSlots(new_keys, slots), evicted)
+
+    def plan_store(
+        self, keys: Sequence[OffloadKey]
+    ) -> tuple[list[OffloadKey], list[int], list[OffloadKey]] | None:
+        """``prepare_store`` as ``(keys to store, their slots, evicted keys)``, for a front end
+        that builds its own result (see ``pin_for_load``)."""
         self.poll()
         rows = self._rows
         new_keys = [key for key in dict.fromkeys(keys) if key not in rows]
@@ -383,12 +401,12 @@ class HostTierManager:
         for group, run, parent in _new_runs(keys, group_of):
             self._policies[group].on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
-        return StorePlan(new_keys, HostSlots(new_keys, slots), evicted)
+        return new_keys, slots, evicted
 
     def _prepare_store_one_group(
         self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey]
-    ) -> StorePlan | None:
-        """``prepare_store`` with one KV group (most models): no per-key group bookkeeping."""
+    ) -> tuple[list[OffloadKey], list[int], list[OffloadKey]] | None:
+        """``plan_store`` with one KV group (most models): no per-key group bookkeeping."""
         # Every key must name group 0: checked by map() in C, key by key only to name a bad one.
         if new_keys and (
             min(map(len, new_keys)) <= GROUP_BYTES or not all(map(bytes.endswith, new_keys, repeat(_GROUP_0)))
@@ -414,7 +432,7 @@ class HostTierManager:
             for _, run, parent in _new_runs(keys, dict.fromkeys(new_keys, 0)):
                 policy.on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
-        return StorePlan(new_keys, HostSlots(new_keys, slots), evicted)
+        return new_keys, slots, evicted
 
     def _touch_offered_again(self, keys: Sequence[OffloadKey]) -> None:
         """Readable rows offered to ``prepare_store`` again are used again (``touch``, before

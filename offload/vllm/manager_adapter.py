@@ -49,7 +49,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from offload.manager import HostTierManager, Lookup
+from offload.manager import HostSlots, HostTierManager, Lookup
 from offload.metrics import manager_families
 from offload.tier_engine import OpKind
 from offload.tiering import TierOutcome
@@ -202,13 +202,15 @@ class KVTierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostRowsSpec:
         inner = keys if type(keys) is list and not self._translate else self._keys_in(keys)
         manager = self.manager
+        groups = manager.num_groups
+        if groups == 1:  # slots as they are: no HostSlots to split by group
+            slots, layouts = manager.pin_for_load(inner)
+            if inner:
+                self._load_started[inner[0]] = time.monotonic()
+            return HostRowsSpec([slots], None if layouts is None else [layouts])
         spec = manager.prepare_load(inner)
         if inner:
             self._load_started[inner[0]] = time.monotonic()
-        groups = manager.num_groups
-        if groups == 1:  # HostSlots.per_group / layouts_per_group of one group, inlined
-            layouts = spec.layouts
-            return HostRowsSpec([spec.slots], None if layouts is None else [layouts])
         return HostRowsSpec(spec.per_group(groups), spec.layouts_per_group(groups))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -237,22 +239,20 @@ class KVTierOffloadingManager(OffloadingManager):
         translate = self._translate
         inner = keys if type(keys) is list and not translate else self._keys_in(keys)
         manager = self.manager
-        prepared = manager.prepare_store(inner)
-        if prepared is None:
+        planned = manager.plan_store(inner)
+        if planned is None:
             return None
-        to_store = prepared.keys_to_store
+        to_store, slots, evicted = planned
         if to_store:
             self._store_started[to_store[0]] = time.monotonic()
         source = self._source
         if source:
             for key in to_store:
                 source.pop(key, None)  # the engine's own copy now
-        spec = prepared.store_spec
-        evicted = prepared.evicted_keys
         groups = manager.num_groups
         return PrepareStoreOutput(
             keys_to_store=[self._out(key) for key in to_store] if translate else to_store,
-            store_spec=HostRowsSpec([spec.slots] if groups == 1 else spec.per_group(groups)),
+            store_spec=HostRowsSpec([slots] if groups == 1 else HostSlots(to_store, slots).per_group(groups)),
             evicted_keys=[self._out(key) for key in evicted] if translate else evicted,
         )
 

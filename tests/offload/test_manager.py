@@ -360,3 +360,14 @@ def test_a_stored_row_offered_again_is_used_again():
     m.complete_store(first.keys_to_store)
     later = m.prepare_store([k(5)])
     assert later is not None and later.evicted_keys == [k(3)]  # not k(1): it was used after k(3)
+
+
+def test_plan_store_and_pin_for_load_are_the_verbs_without_their_dataclasses():
+    m = manager(slots=2)
+    stored(m, 1, 2)
+    planned = m.plan_store([k(1), k(3)])  # k(2), the older, makes room
+    assert planned == ([k(3)], planned[1], [k(2)]) and len(planned[1]) == 1
+    m.complete_store([k(3)])
+    slots, layouts = m.pin_for_load([k(3), k(1)])
+    assert slots == m.prepare_load([k(3), k(1)]).slots and layouts is None
+    assert m.held_by_caller() == ({k(1): 2, k(3): 2}, [])
