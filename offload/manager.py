@@ -14,7 +14,8 @@ onto the other):
   of a chain ends up the most recent and a chain is evicted from its tail.
 - ``prepare_store(keys)`` drops keys already stored or in flight, allocates slots for the
   rest, evicting (never a pinned or in-flight row, never a key of the same call), and
-  returns ``None`` with nothing changed when that cannot free enough.
+  returns ``None`` with nothing changed when that cannot free enough. A readable row
+  offered again counts as a use (``touch``), as vLLM's manager counts it.
   ``complete_store(keys, success)`` makes stored rows readable or frees failed ones.
 - ``take_events()`` drains store / removal events once each, removals first; a key
   stored and removed between two drains is reported not at all. ``drop_events()`` drains
@@ -374,8 +375,6 @@ class HostTierManager:
         self.poll()
         rows = self._rows
         new_keys = [key for key in dict.fromkeys(keys) if key not in rows]
-        if len(new_keys) < len(keys):
-            self._touch_offered_again(keys)
         if self.num_groups == 1:
             return self._prepare_store_one_group(keys, new_keys)
         wanted = [0] * self.num_groups
@@ -387,6 +386,8 @@ class HostTierManager:
         evicted = self._room_for(new_keys, wanted, keys)
         if evicted is None:
             return None
+        if len(new_keys) < len(keys):
+            self._touch_offered_again(keys)
 
         free_slots = [
             iter(self._allocators[group].allocate(count) or ()) if count else iter(())
@@ -417,6 +418,8 @@ class HostTierManager:
         evicted = self._room_for(new_keys, [len(new_keys)], keys)
         if evicted is None:
             return None
+        if len(new_keys) < len(keys):
+            self._touch_offered_again(keys)
         slots = self._allocators[0].allocate(len(new_keys)) if new_keys else []
         assert slots is not None, "eviction freed too few slots"
         rows = self._rows
@@ -435,8 +438,8 @@ class HostTierManager:
         return new_keys, slots, evicted
 
     def _touch_offered_again(self, keys: Sequence[OffloadKey]) -> None:
-        """Readable rows offered to ``prepare_store`` again are used again (``touch``, before
-        anything is evicted or stored, whether or not the store is refused). vLLM's manager
+        """Readable rows offered to ``prepare_store`` again are used again (``touch``, once the
+        store is sure to go ahead, before its new rows are in). vLLM's manager
         counts them so (its ``ready_existing_keys``); uncounted, the prefix of a prompt that
         the device cache serves, which vLLM offers whole when nothing was loaded, aged in the
         host tier: on ``kvtier bench policy``'s scheduler table ``lru`` was 0.1-1.9% under
