@@ -64,8 +64,8 @@ class AdaptivePolicy(ARCPolicy):
         self._recency: OrderedDict[Key, None] = OrderedDict()
         self._mask = (1 << sample_bits) - 1
         shadow = max(MIN_SHADOW, capacity >> sample_bits)
-        self._shadow_lru = LRUPolicy(shadow)
-        self._shadow_arc = ARCPolicy(shadow)
+        self._shadow_lru = _ShadowLRU(shadow)
+        self._shadow_arc = _ShadowARC(shadow)
         self._decay = 1.0 - 1.0 / (horizon * shadow)
         self.score_lru = 0.0
         self.score_arc = 0.0
@@ -76,23 +76,14 @@ class AdaptivePolicy(ARCPolicy):
     def _referee(self, key: Key) -> None:
         """Replay one sampled request in both shadows; follow the one with more recent hits."""
         decay = self._decay
-        lru, arc = self._shadow_lru, self._shadow_arc
-        if key in lru:
-            lru.on_access(key)
+        if self._shadow_lru.request(key):
             self.score_lru = self.score_lru * decay + 1.0
         else:
             self.score_lru *= decay
-            if len(lru) >= lru.capacity:
-                lru.evict(1)
-            lru.on_insert(key)
-        if key in arc:
-            arc.on_access(key)
+        if self._shadow_arc.request(key):
             self.score_arc = self.score_arc * decay + 1.0
         else:
             self.score_arc *= decay
-            if len(arc) >= arc.capacity:
-                arc.evict(1)
-            arc.on_insert(key)
         self.use_lru = self.score_lru >= self.score_arc
 
     # -- the contract ------------------------------------------------------------------
@@ -120,11 +111,16 @@ class AdaptivePolicy(ARCPolicy):
                 self._referee(key)
 
     def on_access(self, key: Key) -> None:
-        super().on_access(key)
         recency = self._recency
-        if key in recency:
+        if key in recency:  # resident: in T1 or T2 (ARC's ``on_access``, inlined)
+            t2 = self._t2
+            if key in t2:
+                t2.move_to_end(key)
+            else:
+                del self._t1[key]
+                t2[key] = None
             recency.move_to_end(key)
-            if not _sample_byte(key) & self._mask:
+            if not (key[-5] if type(key) is bytes and len(key) > 4 else _sample_byte(key)) & self._mask:
                 self._referee(key)
 
     def on_remove(self, key: Key) -> None:
@@ -166,3 +162,42 @@ class AdaptivePolicy(ARCPolicy):
         self._shadow_arc.clear()
         self.score_lru = self.score_arc = 0.0
         self.use_lru = True
+
+
+class _ShadowLRU(LRUPolicy):
+    """The referee's LRU: ``request`` is a whole request (hit, or miss and insert)."""
+
+    def request(self, key: Key) -> bool:
+        """``on_access`` on a hit; else ``evict(1)`` when full and ``on_insert``. Hit or not."""
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+            return True
+        if len(order) >= self.capacity:
+            order.popitem(last=False)  # evict(1): nothing is pinned in a shadow
+        order[key] = None
+        return False
+
+
+class _ShadowARC(ARCPolicy):
+    """The referee's ARC: ``request`` makes ARC's decisions in one call per request."""
+
+    def request(self, key: Key) -> bool:
+        """``on_access`` on a hit; else ``evict(1)`` when full and ``on_insert``. Hit or not."""
+        t1, t2 = self._t1, self._t2
+        if key in t2:
+            t2.move_to_end(key)
+            return True
+        if key in t1:
+            del t1[key]
+            t2[key] = None
+            return True
+        if len(t1) + len(t2) >= self.capacity:
+            # evict(1) with nothing pinned: T1's oldest while |T1| > p, else T2's, else T1's.
+            if t1 and (len(t1) > self.p or not t2):
+                self._b1[t1.popitem(last=False)[0]] = None
+            else:
+                self._b2[t2.popitem(last=False)[0]] = None
+            self._trim_ghosts()
+        self.on_insert(key)
+        return False

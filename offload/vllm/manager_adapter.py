@@ -49,7 +49,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from offload.manager import HostTierManager, Lookup
+from offload.manager import HostSlots, HostTierManager, Lookup
 from offload.metrics import manager_families
 from offload.tier_engine import OpKind
 from offload.tiering import TierOutcome
@@ -116,7 +116,20 @@ class KVTierOffloadingManager(OffloadingManager):
         self._flush = False  # _flush_pending
         self._gated = False  # either: lookups take the slow path
         self._unfenced_steps_left = 0  # vLLM 0.32: schedule ends until a reset's flush is deemed done
+        # Host only, keys as the manager's: vLLM calls the manager's own host lookup, answering
+        # in vLLM's values (``HostTierManager.host_lookup``), not a frame of ours per key.
+        self._host_lookup = (
+            None
+            if self._translate or manager.lower.tiers
+            else manager.host_lookup(LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING)
+        )
+        self._bind_lookup()
         self.latency = LatencyRecorder()
+        # Host loads' and stores' latency (seconds), measured here on the scheduler's thread and
+        # handed to ``latency`` in batches (``_record_host_latency``): a recorder observation
+        # takes two locks, a list append none.
+        self._host_loads: list[float] = []
+        self._host_stores: list[float] = []
         # Rows loaded into vLLM's device cache, by the tier they were found in (host: already there).
         self.loads_by_tier: collections.Counter[str] = collections.Counter()
         self._reporter = StatsReporter()
@@ -141,6 +154,7 @@ class KVTierOffloadingManager(OffloadingManager):
     def _reset_pending(self, value: bool) -> None:
         self._reset = value
         self._gated = value or self._flush
+        self._bind_lookup()
 
     @property
     def _flush_pending(self) -> bool:
@@ -151,8 +165,17 @@ class KVTierOffloadingManager(OffloadingManager):
     def _flush_pending(self, value: bool) -> None:
         self._flush = value
         self._gated = value or self._reset
+        self._bind_lookup()
 
     # -- lookups and loads -------------------------------------------------------------
+
+    def _bind_lookup(self) -> None:
+        """``lookup`` is the manager's host lookup while that is all a lookup does (host only,
+        no translation, no reset pending or unflushed); else this class's ``lookup``."""
+        if self._host_lookup is not None and not self._gated:
+            self.lookup = self._host_lookup  # type: ignore[method-assign]
+        else:
+            self.__dict__.pop("lookup", None)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._translate:
@@ -177,18 +200,24 @@ class KVTierOffloadingManager(OffloadingManager):
         return _SOURCE.get(self._source.get(self._in(key), "host"), CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostRowsSpec:
-        inner = self._keys_in(keys)
-        spec = self.manager.prepare_load(inner)
+        inner = keys if type(keys) is list and not self._translate else self._keys_in(keys)
+        manager = self.manager
+        groups = manager.num_groups
+        if groups == 1:  # slots as they are: no HostSlots to split by group
+            slots, layouts = manager.pin_for_load(inner)
+            if inner:
+                self._load_started[inner[0]] = time.monotonic()
+            return HostRowsSpec([slots], None if layouts is None else [layouts])
+        spec = manager.prepare_load(inner)
         if inner:
             self._load_started[inner[0]] = time.monotonic()
-        groups = self.manager.num_groups
         return HostRowsSpec(spec.per_group(groups), spec.layouts_per_group(groups))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.touch(self._keys_in(keys))
+        self.manager.touch(keys if type(keys) is list and not self._translate else self._keys_in(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        inner = self._keys_in(keys)
+        inner = keys if type(keys) is list and not self._translate else self._keys_in(keys)
         self.manager.complete_load(inner)
         started = _pop_started(self._load_started, inner)
         source = self._source
@@ -198,32 +227,32 @@ class KVTierOffloadingManager(OffloadingManager):
         else:
             self.loads_by_tier["host"] += len(inner)
         if started is not None:
-            self.latency.observe("load", "host", time.monotonic() - started)
+            self._host_loads.append(time.monotonic() - started)
 
     # -- stores ------------------------------------------------------------------------
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self._reset_pending and not self._retry_reset():
+        if self._reset and not self._retry_reset():  # a reset pending
             return None
         translate = self._translate
-        inner = self._keys_in(keys)
-        prepared = self.manager.prepare_store(inner)
-        if prepared is None:
+        inner = keys if type(keys) is list and not translate else self._keys_in(keys)
+        manager = self.manager
+        planned = manager.plan_store(inner)
+        if planned is None:
             return None
-        to_store = prepared.keys_to_store
+        to_store, slots, evicted = planned
         if to_store:
             self._store_started[to_store[0]] = time.monotonic()
         source = self._source
         if source:
             for key in to_store:
                 source.pop(key, None)  # the engine's own copy now
-        spec = prepared.store_spec
-        evicted = prepared.evicted_keys
+        groups = manager.num_groups
         return PrepareStoreOutput(
             keys_to_store=[self._out(key) for key in to_store] if translate else to_store,
-            store_spec=HostRowsSpec(spec.per_group(self.manager.num_groups)),
+            store_spec=HostRowsSpec([slots] if groups == 1 else HostSlots(to_store, slots).per_group(groups)),
             evicted_keys=[self._out(key) for key in evicted] if translate else evicted,
         )
 
@@ -234,7 +263,7 @@ class KVTierOffloadingManager(OffloadingManager):
         started = _pop_started(self._store_started, inner)
         self.manager.complete_store(inner, success=success)
         if started is not None and success:
-            self.latency.observe("store", "host", time.monotonic() - started)
+            self._host_stores.append(time.monotonic() - started)
 
     # -- requests and steps ------------------------------------------------------------
 
@@ -316,6 +345,7 @@ class KVTierOffloadingManager(OffloadingManager):
     # -- stats -------------------------------------------------------------------------
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        self._record_host_latency()
         families = manager_families(self.manager, self.row_bytes)
         return self._reporter.report(families, self.latency.take())
 
@@ -326,6 +356,7 @@ class KVTierOffloadingManager(OffloadingManager):
         """The same stats in the Prometheus text format (cumulative)."""
         from offload.metrics import render
 
+        self._record_host_latency()
         return render(manager_families(self.manager, self.row_bytes, latency=self.latency.histograms))
 
     def shutdown(self) -> None:
@@ -352,6 +383,18 @@ class KVTierOffloadingManager(OffloadingManager):
         index = int.from_bytes(key[-4:], "big")
         return OffloadKey(key[:-4] + self._to_group_id[index].to_bytes(4, "big"))
 
+    def _record_host_latency(self) -> None:
+        """Hand the host latencies measured since the last call to ``latency``. Only what was
+        there when it started is taken (``del samples[:n]``, atomic): a sample appended on the
+        scheduler's thread meanwhile waits for the next call, it is not lost."""
+        for op, samples in (("load", self._host_loads), ("store", self._host_stores)):
+            n = len(samples)
+            if n:
+                observe = self.latency.observe
+                for seconds in samples[:n]:
+                    observe(op, "host", seconds)
+                del samples[:n]
+
     def _miss(self) -> LookupResult:
         """A miss the manager did not see (it still counts as a lookup)."""
         self.manager.stats.lookups += 1
@@ -372,8 +415,18 @@ class KVTierOffloadingManager(OffloadingManager):
 
 def _pop_started(started: dict[OffloadKey, float], keys: Iterable[OffloadKey]) -> float | None:
     """Forget the start times kept for ``keys`` (one per call, under its first key) and
-    return the earliest. ``keys & started``, a set operation in C: no Python loop per key."""
+    return the earliest. The usual call completes one call's keys while no other is in flight:
+    its first key's start, one pop; else ``keys & started``, a set operation in C, no Python
+    loop per key."""
     if not started:
         return None
+    earliest = None
+    if type(keys) is list and keys:
+        earliest = started.pop(keys[0], None)
+        if not started:
+            return earliest
     found = started.keys() & keys
-    return min(map(started.pop, found)) if found else None
+    if not found:
+        return earliest
+    first = min(map(started.pop, found))
+    return first if earliest is None or first < earliest else earliest

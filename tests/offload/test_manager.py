@@ -6,7 +6,7 @@ import pytest
 
 from offload import manager as manager_module
 from offload.keys import make_key
-from offload.manager import HostTierManager, Lookup
+from offload.manager import HostTierManager, Lookup, TierEvent
 from policies.lru import LRUPolicy
 
 MISS, HIT, PENDING = Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING
@@ -325,3 +325,49 @@ def test_a_host_only_manager_has_no_work_below():
     m.poll()
     assert (m.inflight_below(), m.wait_idle(0), outcomes) == (0, True, [])
     assert m.lower.tiers == [] and not m.lower.has_write_back
+
+
+def test_host_lookup_answers_in_the_callers_values_and_is_lookup_otherwise():
+    m = manager(slots=2)
+    stored(m, 1)
+    m.prepare_store([k(2)])
+    look = m.host_lookup("hit", "miss", "pending")
+    assert [look(k(1), "a context"), look(k(2)), look(k(3))] == ["hit", "pending", "miss"]
+    assert (m.stats.lookups, m.stats.hits, m.stats.pending) == (3, 1, 1)
+    m.complete_store([k(2)])
+    out = m.prepare_store([k(3)])  # k(1), the older row, was a HIT this step: k(2) goes
+    assert out is not None and out.evicted_keys == [k(2)]
+
+
+def test_events_dropped_unread_leave_the_next_ones_intact():
+    m = manager(slots=2)
+    stored(m, 1)
+    stored(m, 2)
+    m.drop_events()
+    stored(m, 3)  # evicts k(1), reported before: a removal
+    assert m.take_events() == [
+        TierEvent([k(1)], "host", removed=True),
+        TierEvent([k(3)], "host", removed=False),
+    ]
+
+
+def test_a_stored_row_offered_again_is_used_again():
+    m = manager(slots=3)
+    for i in (1, 2, 3):
+        stored(m, i)  # oldest first: 1, 2, 3
+    first = m.prepare_store([k(1), k(4)])  # vLLM offers a whole prompt: k(1) is a use
+    assert first is not None and first.evicted_keys == [k(2)]
+    m.complete_store(first.keys_to_store)
+    later = m.prepare_store([k(5)])
+    assert later is not None and later.evicted_keys == [k(3)]  # not k(1): it was used after k(3)
+
+
+def test_plan_store_and_pin_for_load_are_the_verbs_without_their_dataclasses():
+    m = manager(slots=2)
+    stored(m, 1, 2)
+    planned = m.plan_store([k(1), k(3)])  # k(2), the older, makes room
+    assert planned == ([k(3)], planned[1], [k(2)]) and len(planned[1]) == 1
+    m.complete_store([k(3)])
+    slots, layouts = m.pin_for_load([k(3), k(1)])
+    assert slots == m.prepare_load([k(3), k(1)]).slots and layouts is None
+    assert m.held_by_caller() == ({k(1): 2, k(3): 2}, [])

@@ -71,6 +71,8 @@ def test_a_prefix_on_disk_is_promoted_and_loaded_byte_exact(make_engine, tmp_pat
     text = engine.manager.metrics_text()
     assert 'kvtier_hits_total{tier="disk"}' in text
     assert 'kvtier_load_latency_seconds_count{tier="disk"}' in text
+    with pytest.raises(ValueError, match="tiers below"):  # a host miss must be able to promote
+        engine.manager.manager.host_lookup("hit", "miss", "pending")
 
 
 def test_a_corrupt_row_on_disk_is_a_miss_and_the_prefix_before_it_still_loads(make_engine, tmp_path):
