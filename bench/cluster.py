@@ -16,6 +16,9 @@ peers' addresses). Three parts, each skippable:
   ``peer_cores_during_tier``: the peer processes' CPU while the tier's calls ran.
 - **idle**: ``--idle-peers`` peers with a connected engine that sends nothing: the CPU of
   all the peer processes together over ``--idle-s`` seconds, in cores (target under 0.05).
+- **membership** (``bench/cluster_membership.py``): ``--membership`` peers killed, cut,
+  leaving and joining under a steady load: rows lost per event against the share of the
+  peer that went or came, the slowest get, the load balance, and a timeline plot.
 - **faults**: per fault of ``cluster_net.FAULTS``, an engine and three peers, one of which
   fails after the rows went in; the first get after it: its deadline, how long it took, rows
   missed against the victim's share, and which hosts the tier's warnings named.
@@ -35,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import cluster_membership
 from bench.cluster_net import FAULTS, Cluster, HostProcess, probe
 from bench.report import write_json
 from tiers.sizes import parse_size
@@ -47,8 +51,8 @@ IDLE_TARGET = 0.05  # cores, all idle peers together
 
 
 def _hosts(text: str) -> list[int]:
-    counts = [int(part) for part in text.split(",") if part]
-    if not counts or min(counts) < 1:
+    counts = [int(part) for part in text.split(",") if part]  # '': no throughput part
+    if counts and min(counts) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: peer counts, comma-separated, each >= 1")
     return counts
 
@@ -212,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deadline-s", type=float, default=1.0, help="the tier's deadline in the fault table"
     )
+    parser.add_argument("--membership", type=int, default=16, help="peers of the membership run (0: skip)")
+    parser.add_argument("--membership-rows", type=int, default=256, help="rows of its steady load (256)")
+    parser.add_argument(
+        "--plot", metavar="DIR", help="write the membership timeline to DIR/cluster-membership.png"
+    )
     args = parser.parse_args(argv)
     reason = probe()
     if reason is not None:
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rows} rows of {args.row_bytes} B per op; every host a network namespace on one bridge "
         f"(UCX over TCP on veth), {os.cpu_count()} cores shared by all, {platform.machine()}"
     )
-    figures: dict = {"throughput": [], "idle": None, "faults": []}
+    figures: dict = {"throughput": [], "idle": None, "faults": [], "membership": None}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-") as workdir:
         log_dir = Path(workdir)
         if args.hosts:
@@ -271,6 +280,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['victims_rows']:5}  {','.join(row['hosts_named']) or '-'} "
                 f"(at fault: {row['host_at_fault']})"
             )
+        if args.membership:
+            figures["membership"] = fig = cluster_membership.run(
+                args.membership, args.membership_rows, args.deadline_s, log_dir
+            )
+            print(
+                f"membership: {fig['peers']} peers, {fig['rows']} rows got every "
+                f"{cluster_membership.INTERVAL_S} s; balance over {fig['balance_keys']} keys "
+                f"{fig['balance']:.3f} (target <= {fig['balance_target']}); slowest get "
+                f"{fig['slowest_get_s']:.2f} s, {fig['stalls']} past deadline + "
+                f"{cluster_membership.SLACK_S} s"
+            )
+            print(f"{'event':15} {'at s':>5} {'share':>5} {'lost':>5} {'slowest get s':>13}  host")
+            for row in fig["events"]:
+                print(
+                    f"{row['event']:15} {row['t']:5.1f} {row['share']:5} {row['rows_lost']:5} "
+                    f"{row['slowest_get_s']:13.2f}  {row['host']}"
+                )
+            if args.plot:
+                print(f"timeline: {cluster_membership.plot(fig, Path(args.plot) / 'cluster-membership.png')}")
     if args.json:
         write_json(
             args.json,

@@ -22,6 +22,9 @@ Each line on stdin is one request, each answered by one line on stdout:
 - ``{"op": "raw", "dir": "WRITE"|"READ", "count": N}``: the baseline: rows ``0..N-1`` split
   over the targets (row ``i`` to target ``i mod T``), one NIXL request per target, all
   posted at once; ``elapsed_s``;
+- ``{"op": "load_start", "salt": S, "interval_s": I}`` / ``{"op": "load_stop"}``: a steady
+  load (``SteadyLoad``) in the background while hosts come and go; stop returns its
+  ``timeline``;
 - ``{"op": "quit"}``: close the tier and exit.
 
 The first line out is ``{"ready": ...}`` once the tier is open. Nothing else is written to
@@ -105,10 +108,71 @@ class RawTargets:
                 raise RuntimeError(f"raw {op} failed: {state}")
 
 
+class SteadyLoad:
+    """A steady load under which hosts come and go: every ``interval_s`` a get of all the
+    engine's rows, then a put of the ones it missed (a cache refills what it lost), each
+    call recorded: when, how long, hits, misses, and the owners of the rows per peer."""
+
+    def __init__(self, engine: Engine, salt: str, interval_s: float) -> None:
+        self.engine = engine
+        self.salt = salt
+        self.interval_s = interval_s
+        self.timeline: list[dict] = []
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        engine = self.engine
+        keys = engine.keys({"salt": self.salt})
+        await engine.tier.put(list(zip(keys, engine.src, strict=False)))
+        self._began = time.monotonic()
+        self._task = asyncio.create_task(self._run(keys))
+
+    async def stop(self) -> list[dict]:
+        self._stopping = True
+        if self._task is not None:
+            await self._task
+        return self.timeline
+
+    async def _run(self, keys: list[bytes]) -> None:
+        engine, tier = self.engine, self.engine.tier
+        while not self._stopping:
+            began = time.monotonic()
+            engine.buffer[engine.rows * engine.row_bytes :] = 0
+            loaded = await tier.get(list(zip(keys, engine.dst, strict=False)))
+            took = time.monotonic() - began
+            exact = all(bytes(engine.src[i]) == bytes(engine.dst[i]) for i, ok in enumerate(loaded) if ok)
+            missed = [i for i, ok in enumerate(loaded) if not ok]
+            owners: dict[str, int] = {}
+            for k in keys:
+                owner = tier.owner(k)
+                if owner is not None:
+                    owners[owner] = owners.get(owner, 0) + 1
+            put_s = 0.0
+            if missed:
+                began_put = time.monotonic()
+                await tier.put([(keys[i], engine.src[i]) for i in missed])
+                put_s = time.monotonic() - began_put
+            self.timeline.append(
+                {
+                    "t": began - self._began,
+                    "get_s": took,
+                    "put_s": put_s,
+                    "hits": len(keys) - len(missed),
+                    "misses": len(missed),
+                    "exact": exact,
+                    "peers_up": len(tier.peers_up()),
+                    "owners": owners,
+                }
+            )
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - began)))
+
+
 class Engine:
     def __init__(self, tier: RemoteTier, rows: int, row_bytes: int) -> None:
         self.tier = tier
         self.raw: RawTargets | None = None
+        self.load: SteadyLoad | None = None
         self.rows = rows
         self.row_bytes = row_bytes
         raw = np.zeros(2 * rows * row_bytes + 4096, dtype=np.uint8)
@@ -139,6 +203,15 @@ class Engine:
             if request.get("clear"):
                 warnings.messages.clear()
             return answer
+        if op == "load_start":
+            self.load = SteadyLoad(self, str(request["salt"]), float(request.get("interval_s", 0.1)))
+            await self.load.start()
+            return {"started": True}
+        if op == "load_stop":
+            if self.load is None:
+                raise ValueError("load_start first")
+            timeline = await self.load.stop()
+            return {"timeline": timeline}
         if op == "raw_connect":
             self.raw = RawTargets(self.buffer, request["targets"])
             return {"targets": len(request["targets"])}
