@@ -417,12 +417,19 @@ class Cluster:
         return process
 
     def start_engine(
-        self, host: Host, peers: Sequence[Host], *, port: int = PEER_PORT, **options: object
+        self,
+        host: Host,
+        peers: Sequence[Host],
+        *,
+        port: int = PEER_PORT,
+        module: str = "bench.cluster_engine",
+        **options: object,
     ) -> HostProcess:
-        """A ``bench/cluster_engine.py`` in ``host`` (a ``RemoteTier`` over ``peers``),
-        answering JSON requests; ``options`` are its flags (``rows=64`` -> ``--rows 64``).
-        Returns once its tier is open."""
-        argv = [sys.executable, "-m", "bench.cluster_engine", "--peers"]
+        """An engine in ``host`` answering JSON requests: ``bench/cluster_engine.py`` (a
+        ``RemoteTier`` over ``peers``) or another ``module`` that takes ``--peers``
+        (``bench.cluster_offloader``); ``options`` are its flags (``rows=64`` -> ``--rows
+        64``). Returns once it says it is ready."""
+        argv = [sys.executable, "-m", module, "--peers"]
         argv.append(",".join(peer.peer_address(port) for peer in peers))
         for name, value in options.items():
             argv += [f"--{name.replace('_', '-')}", str(value)]
@@ -442,8 +449,11 @@ class Cluster:
     # -- faults ---------------------------------------------------------------------------
 
     def set_rate(self, host: Host, rate: str, *, latency: str = "50ms") -> None:
-        """Limit ``host``'s link to ``rate`` (tc syntax: ``100mbit``, ``1gbit``) each way."""
-        burst = "256kb"
+        """Limit ``host``'s link to ``rate`` (``200kbit``, ``100mbit``, ``1gbit``) each way.
+
+        The bucket holds 10 ms of the rate, at least 16 KiB (a few full frames): a large
+        one would let the first rows through at full speed (256 KiB at 200 kbit/s did)."""
+        burst = str(max(16 << 10, bits_per_second(rate) // 8 // 100))
         for prefix in ([], ["-n", host.netns]):
             dev = host.port_dev if not prefix else "eth0"
             _run("tc", *prefix, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
@@ -510,6 +520,14 @@ class Cluster:
         """Bytes that went ``(to, from)`` ``host`` over its link (its bridge port's counters)."""
         stats = Path(f"/sys/class/net/{host.port_dev}/statistics")
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def bits_per_second(rate: str) -> int:
+    """``200kbit`` -> 200000 (units: bit, kbit, mbit, gbit; tc's meaning, powers of 1000)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"rate {rate!r}: a number and bit, kbit, mbit or gbit")
+    return int(float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)])
 
 
 def _base36(n: int) -> str:
