@@ -17,9 +17,10 @@ Faults are set on a host's bridge port, so they act on that host's traffic only:
   how a packet is dropped);
 - ``cut``: every packet to and from the host dropped; ``partition(host, "in"|"out")``: one
   direction only; ``heal`` removes them (``clear`` removes every fault of a host);
+- ``set_delay``: every frame to and from the host ``delay_ms`` late, through a userspace
+  relay (``bench/cluster_delay.py``: no ``netem`` here), which also caps the link at what
+  one Python process relays;
 - ``HostProcess.kill``/``stop``/``cont``: SIGKILL, SIGSTOP, SIGCONT of a process in a host.
-
-Delay is not offered: without ``netem`` it needs a userspace relay of every frame.
 
 ``Cluster`` is a context manager: whatever ends the ``with`` (an exception, a failed test,
 KeyboardInterrupt), its processes are killed and its namespaces and bridge deleted; every
@@ -302,6 +303,7 @@ class Cluster:
         self.subnet = ""
         self.address = ""  # this machine's address on the bridge
         self._processes: list[HostProcess] = []
+        self._relays: dict[int, tuple[subprocess.Popen, str]] = {}  # host index -> relay, its veth
         self._up = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -359,6 +361,9 @@ class Cluster:
             with contextlib.suppress(Exception):
                 process.close()
         self._processes.clear()
+        for host in self.hosts:
+            with contextlib.suppress(Exception):
+                self.clear_delay(host)
         for host in self.hosts:
             _kill_in(host.netns)
             _run("ip", "netns", "del", host.netns, check=False)
@@ -487,8 +492,49 @@ class Cluster:
         for direction in ("ingress", "egress"):
             _run("tc", "filter", "del", "dev", host.port_dev, direction, "pref", "10", check=False)
 
+    def set_delay(self, host: Host, delay_ms: float) -> None:
+        """Delay every frame to and from ``host`` by ``delay_ms`` (so a round trip by twice
+        that): its bridge port leaves the bridge, and a relay (``bench/cluster_delay.py``)
+        carries its frames to a veth on the bridge and back, each ``delay_ms`` late. Faults
+        on the port (rate, loss, cut) still apply."""
+        self.clear_delay(host)
+        relay_dev, bridge_dev = f"{PREFIX}{self._tag}r{host.index}", f"{PREFIX}{self._tag}d{host.index}"
+        _run("ip", "link", "set", host.port_dev, "nomaster")
+        _run("ip", "link", "add", relay_dev, "type", "veth", "peer", "name", bridge_dev)
+        _run("ip", "link", "set", bridge_dev, "master", self.bridge)
+        for dev in (relay_dev, bridge_dev):
+            if self.mtu:
+                _run("ip", "link", "set", dev, "mtu", str(self.mtu))
+            _run("ip", "link", "set", dev, "up")
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "bench.cluster_delay", host.port_dev, relay_dev, str(delay_ms)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
+        self._relays[host.index] = (relay, relay_dev)
+        assert relay.stdout is not None
+        readable, _, _ = select.select([relay.stdout], [], [], READY_TIMEOUT_S)
+        if not readable or "relaying" not in relay.stdout.readline():
+            self.clear_delay(host)
+            raise ClusterUnavailable(f"the delay relay for {host.netns} did not start")
+
+    def clear_delay(self, host: Host) -> None:
+        """Undo ``set_delay``: the relay stops, the port is on the bridge again."""
+        relay, relay_dev = self._relays.pop(host.index, (None, ""))
+        if relay is None:
+            return
+        relay.kill()
+        relay.wait(10)
+        if relay.stdout is not None:
+            relay.stdout.close()
+        _run("ip", "link", "del", relay_dev, check=False)  # its peer on the bridge goes with it
+        _run("ip", "link", "set", host.port_dev, "master", self.bridge, check=False)
+
     def clear(self, host: Host) -> None:
-        """Remove every fault of ``host``: rate, loss, cut, partition."""
+        """Remove every fault of ``host``: rate, loss, delay, cut, partition."""
+        self.clear_delay(host)
         self.heal(host)
         for direction in ("ingress", "egress"):
             _run("tc", "filter", "del", "dev", host.port_dev, direction, "pref", "20", check=False)
