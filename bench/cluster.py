@@ -291,11 +291,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fig['slowest_get_s']:.2f} s, {fig['stalls']} past deadline + "
                 f"{cluster_membership.SLACK_S} s"
             )
-            print(f"{'event':15} {'at s':>5} {'share':>5} {'lost':>5} {'slowest get s':>13}  host")
+            print(
+                f"{'event':15} {'at s':>5} {'share':>5} {'lost':>5} {'others':>6} {'slowest get s':>13}  host"
+            )
             for row in fig["events"]:
                 print(
                     f"{row['event']:15} {row['t']:5.1f} {row['share']:5} {row['rows_lost']:5} "
-                    f"{row['slowest_get_s']:13.2f}  {row['host']}"
+                    f"{row['rows_lost_elsewhere']:6} {row['slowest_get_s']:13.2f}  {row['host']}"
                 )
             if args.plot:
                 print(f"timeline: {cluster_membership.plot(fig, Path(args.plot) / 'cluster-membership.png')}")

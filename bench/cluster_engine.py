@@ -111,7 +111,9 @@ class RawTargets:
 class SteadyLoad:
     """A steady load under which hosts come and go: every ``interval_s`` a get of all the
     engine's rows, then a put of the ones it missed (a cache refills what it lost), each
-    call recorded: when, how long, hits, misses, and the owners of the rows per peer."""
+    call recorded: when, how long, hits, misses, and the owners of the rows per peer after it.
+    Each miss is owed to a peer (``missed_at``): the row's holder if it is gone, else the peer
+    asked, which lacks it (it came, came back empty, or failed during the get)."""
 
     def __init__(self, engine: Engine, salt: str, interval_s: float) -> None:
         self.engine = engine
@@ -124,6 +126,7 @@ class SteadyLoad:
     async def start(self) -> None:
         engine = self.engine
         keys = engine.keys({"salt": self.salt})
+        self._holder = [engine.tier.owner(k) for k in keys]  # the peer that holds each row
         await engine.tier.put(list(zip(keys, engine.src, strict=False)))
         self._began = time.monotonic()
         self._task = asyncio.create_task(self._run(keys))
@@ -137,12 +140,24 @@ class SteadyLoad:
     async def _run(self, keys: list[bytes]) -> None:
         engine, tier = self.engine, self.engine.tier
         while not self._stopping:
+            routed = [tier.owner(k) for k in keys]  # where this get goes
+            up = set(tier.peers_up())
             began = time.monotonic()
             engine.buffer[engine.rows * engine.row_bytes :] = 0
             loaded = await tier.get(list(zip(keys, engine.dst, strict=False)))
             took = time.monotonic() - began
             exact = all(bytes(engine.src[i]) == bytes(engine.dst[i]) for i, ok in enumerate(loaded) if ok)
             missed = [i for i, ok in enumerate(loaded) if not ok]
+            missed_at: dict[str, int] = {}  # who each miss is owed to
+            for i in missed:
+                holder = self._holder[i]
+                # The row's holder is gone: its loss. Else the peer asked lacks it: a peer
+                # that came (or came back empty), or one that failed during this get.
+                who = holder if holder is not None and holder != routed[i] and holder not in up else routed[i]
+                missed_at[str(who)] = missed_at.get(str(who), 0) + 1
+            for i, ok in enumerate(loaded):
+                if ok:
+                    self._holder[i] = routed[i]
             owners: dict[str, int] = {}
             for k in keys:
                 owner = tier.owner(k)
@@ -151,8 +166,12 @@ class SteadyLoad:
             put_s = 0.0
             if missed:
                 began_put = time.monotonic()
-                await tier.put([(keys[i], engine.src[i]) for i in missed])
+                refill = [tier.owner(keys[i]) for i in missed]
+                stored = await tier.put([(keys[i], engine.src[i]) for i in missed])
                 put_s = time.monotonic() - began_put
+                for i, owner, ok in zip(missed, refill, stored, strict=True):
+                    if ok:
+                        self._holder[i] = owner
             self.timeline.append(
                 {
                     "t": began - self._began,
@@ -163,6 +182,7 @@ class SteadyLoad:
                     "exact": exact,
                     "peers_up": len(tier.peers_up()),
                     "owners": owners,
+                    "missed_at": missed_at,
                 }
             )
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - began)))

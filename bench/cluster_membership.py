@@ -5,10 +5,11 @@ An engine host runs ``SteadyLoad`` (``bench/cluster_engine.py``): every ``INTERV
 of all its rows, then a put of the ones it missed. N peers serve it; one more is configured
 but started only later (it joins). Events, ``EVENT_GAP_S`` apart: a peer killed, one cut off,
 one leaving (SIGTERM), the killed one back (empty), the cut one healed (its rows still there),
-the late one joining. Per event: the rows lost (misses from the event until the next one)
-against the share of the peer that went or came (its rows in the last get before, or first
-after); whether any get took longer than its deadline plus ``SLACK_S``. Balance: max / mean
-rows per peer of ``BALANCE_KEYS`` keys over all the peers (rendezvous hashing, no transfer).
+the late one joining. Per event: the rows lost (the misses, from the event until the next
+one, owed to the peer that went or came: ``SteadyLoad``) against that peer's share (its
+rows in the last get before, or the last after), and the other misses of that span; whether
+any get took longer than its deadline plus ``SLACK_S``. Balance: max / mean rows per peer of
+``BALANCE_KEYS`` keys over all the peers (rendezvous hashing, no transfer).
 """
 
 from __future__ import annotations
@@ -73,20 +74,22 @@ def run(peers: int, rows: int, deadline_s: float, log_dir: Path) -> dict:
     rows_out = []
     for n, (name, host, _act) in enumerate(events):
         start, end = at[n], at[n + 1] if n + 1 < len(at) else float("inf")
-        before = [e for e in timeline if e["t"] < start]
-        after = [e for e in timeline if start <= e["t"] < end]
+        # By when each get ended: one in flight at the event already met it.
+        before = [e for e in timeline if e["t"] + e["get_s"] < start]
+        after = [e for e in timeline if start <= e["t"] + e["get_s"] < end]
         address = host.peer_address()
         comes_back = name in ("rejoined empty", "healed", "joined")
         sample = after[-1:] if comes_back else before[-1:]
         share = sample[0]["owners"].get(address, 0) if sample else 0
-        lost = sum(e["misses"] for e in after)
+        lost = sum(e["missed_at"].get(address, 0) for e in after)
         rows_out.append(
             {
                 "event": name,
                 "host": address,
                 "t": start,
                 "share": share,
-                "rows_lost": lost,
+                "rows_lost": lost,  # misses owed to this host
+                "rows_lost_elsewhere": sum(e["misses"] for e in after) - lost,  # e.g. a late rejoin
                 "within_share": lost <= share,
                 "slowest_get_s": max((e["get_s"] for e in after), default=0.0),
             }

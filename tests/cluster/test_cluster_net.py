@@ -147,3 +147,19 @@ def test_a_delayed_host_answers_late_and_intact(make_cluster) -> None:
     with socket.create_connection((host.address, 9001), timeout=10) as sock:  # back on the bridge
         sock.sendall(b"pong")
         assert sock.recv(4) == b"pong"
+
+
+def test_a_machine_that_forbids_namespaces_is_named_and_skipped(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setattr(cluster_net, "_probed", [])
+    monkeypatch.setattr(cluster_net.os, "geteuid", lambda: 1000)
+    assert cluster_net.probe() == "network namespaces need root"
+    with pytest.raises(cluster_net.ClusterUnavailable, match="need root"):
+        Cluster(1, tmp_path).__enter__()
+    from bench.cluster import main as bench_cluster
+
+    assert bench_cluster(["--hosts", "1"]) == 2
+    assert "need root" in capsys.readouterr().err
+    monkeypatch.setattr(cluster_net, "_probed", [])
+    monkeypatch.setattr(cluster_net.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cluster_net.os, "geteuid", lambda: 0)
+    assert cluster_net.probe() == "`ip` or `tc` (iproute2) is not installed"
