@@ -11,7 +11,8 @@ Each line on stdin is one request, each answered by one line on stdout:
 
 - ``{"op": "put"|"get"|"contains", "salt": S, "count": N}``: the verb on keys ``(S, 0..N-1)``
   whose rows are the host rows ``0..N-1``; answers ``result`` (a flag per key), ``elapsed_s``
-  and, for ``get``, ``exact`` (every hit byte-identical to what was put);
+  and, for ``get``, ``exact`` (every hit byte-identical to what was put) and ``abandoned``
+  (a silent peer's rows were given up: ``RowsAbandoned``);
 - ``{"op": "owners", "salt": S, "count": N}``: the peer that owns each key now;
 - ``{"op": "state"}``: ``peers_up``, the tier's ``stats``, the ``warnings`` it logged and
   the ``ucx`` variables in force
@@ -44,6 +45,7 @@ import time
 import numpy as np
 
 from tiers.address import Address
+from tiers.base import RowsAbandoned
 from tiers.remote import RemoteTier
 from tiers.remote.nixl_agent import create_agent, descriptors
 from tiers.settings import RemoteSettings
@@ -67,6 +69,16 @@ class Warnings(logging.Handler):
 def key_of(salt: str, i: int) -> bytes:
     """An ``OffloadKey``-shaped key: 32 bytes naming (salt, i), then group 0."""
     return f"{salt}/{i}".encode().ljust(32, b".")[:32] + bytes(4)
+
+
+async def get_rows(tier: RemoteTier, rows: list) -> tuple[list[bool], bool]:
+    """``tier.get``: a flag per row, and whether a silent peer made it abandon some rows
+    (``RowsAbandoned``: that peer's WRITE may still land in them). Here every row index
+    always holds the same bytes, so a late WRITE writes what a later get expects."""
+    try:
+        return await tier.get(rows), False
+    except RowsAbandoned as exc:
+        return exc.ok, True
 
 
 class RawTargets:
@@ -144,17 +156,17 @@ class SteadyLoad:
             up = set(tier.peers_up())
             began = time.monotonic()
             engine.buffer[engine.rows * engine.row_bytes :] = 0
-            loaded = await tier.get(list(zip(keys, engine.dst, strict=False)))
+            loaded, abandoned = await get_rows(tier, list(zip(keys, engine.dst, strict=False)))
             took = time.monotonic() - began
             exact = all(bytes(engine.src[i]) == bytes(engine.dst[i]) for i, ok in enumerate(loaded) if ok)
             missed = [i for i, ok in enumerate(loaded) if not ok]
-            missed_at: dict[str, int] = {}  # who each miss is owed to
+            missed_at: dict[str, list[int]] = {}  # who each miss is owed to: the rows missed
             for i in missed:
                 holder = self._holder[i]
                 # The row's holder is gone: its loss. Else the peer asked lacks it: a peer
                 # that came (or came back empty), or one that failed during this get.
                 who = holder if holder is not None and holder != routed[i] and holder not in up else routed[i]
-                missed_at[str(who)] = missed_at.get(str(who), 0) + 1
+                missed_at.setdefault(str(who), []).append(i)
             for i, ok in enumerate(loaded):
                 if ok:
                     self._holder[i] = routed[i]
@@ -163,12 +175,13 @@ class SteadyLoad:
                 owner = tier.owner(k)
                 if owner is not None:
                     owners[owner] = owners.get(owner, 0) + 1
-            put_s = 0.0
+            put_s, refills_failed = 0.0, 0
             if missed:
                 began_put = time.monotonic()
                 refill = [tier.owner(keys[i]) for i in missed]
                 stored = await tier.put([(keys[i], engine.src[i]) for i in missed])
                 put_s = time.monotonic() - began_put
+                refills_failed = stored.count(False)
                 for i, owner, ok in zip(missed, refill, stored, strict=True):
                     if ok:
                         self._holder[i] = owner
@@ -180,6 +193,8 @@ class SteadyLoad:
                     "hits": len(keys) - len(missed),
                     "misses": len(missed),
                     "exact": exact,
+                    "abandoned": abandoned,
+                    "refills_failed": refills_failed,
                     "peers_up": len(tier.peers_up()),
                     "owners": owners,
                     "missed_at": missed_at,
@@ -251,7 +266,7 @@ class Engine:
             result = await self.tier.put(list(zip(keys, self.src, strict=False)))
         elif op == "get":
             self.buffer[self.rows * self.row_bytes :] = 0
-            result = await self.tier.get(list(zip(keys, self.dst, strict=False)))
+            result, answer["abandoned"] = await get_rows(self.tier, list(zip(keys, self.dst, strict=False)))
             answer["exact"] = all(
                 bytes(self.src[i]) == bytes(self.dst[i]) for i, ok in enumerate(result) if ok
             )

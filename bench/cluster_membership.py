@@ -5,9 +5,9 @@ An engine host runs ``SteadyLoad`` (``bench/cluster_engine.py``): every ``INTERV
 of all its rows, then a put of the ones it missed. N peers serve it; one more is configured
 but started only later (it joins). Events, ``EVENT_GAP_S`` apart: a peer killed, one cut off,
 one leaving (SIGTERM), the killed one back (empty), the cut one healed (its rows still there),
-the late one joining. Per event: the rows lost (the misses, from the event until the next
-one, owed to the peer that went or came: ``SteadyLoad``) against that peer's share (its
-rows in the last get before, or the last after), and the other misses of that span; whether
+the late one joining. Per event: the rows lost (the distinct rows missed, from the event
+until the next one, owed to the peer that went or came: ``SteadyLoad``) against that peer's share (its
+rows in the last get before, or the most after), and the other misses of that span; whether
 any get took longer than its deadline plus ``SLACK_S``. Balance: max / mean rows per peer of
 ``BALANCE_KEYS`` keys over all the peers (rendezvous hashing, no transfer).
 """
@@ -79,9 +79,15 @@ def run(peers: int, rows: int, deadline_s: float, log_dir: Path) -> dict:
         after = [e for e in timeline if start <= e["t"] + e["get_s"] < end]
         address = host.peer_address()
         comes_back = name in ("rejoined empty", "healed", "joined")
-        sample = after[-1:] if comes_back else before[-1:]
-        share = sample[0]["owners"].get(address, 0) if sample else 0
-        lost = sum(e["missed_at"].get(address, 0) for e in after)
+        # Its share: what it held before it went, or the most it owned after it came (while
+        # another peer is still away, a newcomer owns more than it will at the end).
+        sample = after if comes_back else before[-1:]
+        share = max((e["owners"].get(address, 0) for e in sample), default=0)
+        owed: dict[str, set[int]] = {}  # distinct rows missed, per peer they are owed to
+        for entry in after:
+            for peer, rows_missed in entry["missed_at"].items():
+                owed.setdefault(peer, set()).update(rows_missed)
+        lost = len(owed.get(address, ()))
         rows_out.append(
             {
                 "event": name,
@@ -89,7 +95,7 @@ def run(peers: int, rows: int, deadline_s: float, log_dir: Path) -> dict:
                 "t": start,
                 "share": share,
                 "rows_lost": lost,  # misses owed to this host
-                "rows_lost_elsewhere": sum(e["misses"] for e in after) - lost,  # e.g. a late rejoin
+                "rows_lost_elsewhere": sum(len(v) for k, v in owed.items() if k != address),  # a late rejoin
                 "within_share": lost <= share,
                 "slowest_get_s": max((e["get_s"] for e in after), default=0.0),
             }
