@@ -10,11 +10,15 @@ peers' addresses). Three parts, each skippable:
   through the tier, against raw NIXL WRITE/READ of the same rows spread over the same hosts
   (a bare agent on each peer host, one request per host, all posted at once). Only one
   side runs at a time: the other side's processes are SIGSTOPped, so neither pays for the
-  other's polling. Medians of ``--repeats`` interleaved rounds; every get is checked byte
-  for byte. ``scaling``: each count's GB/s over the ``--scaling-base`` count's (target:
-  16 peers within 20% of 4).
+  other's polling (and nothing is timed until ``SETTLE_S`` after a switch). Medians of
+  ``--repeats`` interleaved rounds; every get is checked byte for byte. ``scaling``: each
+  count's GB/s over the ``--scaling-base`` count's (target: 16 peers within 20% of 4).
+  ``peer_cores_during_tier``: the peer processes' CPU while the tier's calls ran.
 - **idle**: ``--idle-peers`` peers with a connected engine that sends nothing: the CPU of
   all the peer processes together over ``--idle-s`` seconds, in cores (target under 0.05).
+- **membership** (``bench/cluster_membership.py``): ``--membership`` peers killed, cut,
+  leaving and joining under a steady load: rows lost per event against the share of the
+  peer that went or came, the slowest get, the load balance, and a timeline plot.
 - **faults**: per fault of ``cluster_net.FAULTS``, an engine and three peers, one of which
   fails after the rows went in; the first get after it: its deadline, how long it took, rows
   missed against the victim's share, and which hosts the tier's warnings named.
@@ -34,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import cluster_membership
 from bench.cluster_net import FAULTS, Cluster, HostProcess, probe
 from bench.report import write_json
 from tiers.sizes import parse_size
@@ -46,8 +51,8 @@ IDLE_TARGET = 0.05  # cores, all idle peers together
 
 
 def _hosts(text: str) -> list[int]:
-    counts = [int(part) for part in text.split(",") if part]
-    if not counts or min(counts) < 1:
+    counts = [int(part) for part in text.split(",") if part]  # '': no throughput part
+    if counts and min(counts) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: peer counts, comma-separated, each >= 1")
     return counts
 
@@ -56,9 +61,17 @@ def _gbps(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _signal(processes: list[HostProcess], stop: bool) -> None:
-    for process in processes:
-        process.stop() if stop else process.cont()
+SETTLE_S = 0.3
+"""After one side is stopped and the other continued, this long passes before anything is
+timed: 16 processes woken at once first run their overdue timers."""
+
+
+def _switch(stop: list[HostProcess], cont: list[HostProcess]) -> None:
+    for process in stop:
+        process.stop()
+    for process in cont:
+        process.cont()
+    time.sleep(SETTLE_S)
 
 
 def throughput(peers: int, args: argparse.Namespace, log_dir: Path) -> dict:
@@ -86,16 +99,19 @@ def throughput(peers: int, args: argparse.Namespace, log_dir: Path) -> dict:
             raise RuntimeError(f"not every one of {peers} peers is up")
         engine.request({"op": "raw_connect", "targets": lines})
         times: dict[str, list[float]] = {"raw_write": [], "put": [], "raw_read": [], "get": []}
+        peer_cpu = tier_wall = 0.0
         for repeat in range(args.repeats + 1):  # round 0 warms up (wire-up, page faults)
             salt = f"r{repeat}"
-            _signal(tier_side, stop=True)
+            _switch(stop=tier_side, cont=raw_side)
             raw_write = engine.request({"op": "raw", "dir": "WRITE"})["elapsed_s"]
             raw_read = engine.request({"op": "raw", "dir": "READ"})["elapsed_s"]
-            _signal(tier_side, stop=False)
-            _signal(raw_side, stop=True)
+            _switch(stop=raw_side, cont=tier_side)
+            cpu_before, wall_before = sum(p.cpu_seconds() for p in tier_side), time.monotonic()
             put = engine.request({"op": "put", "salt": salt})
             get = engine.request({"op": "get", "salt": salt})
-            _signal(raw_side, stop=False)
+            if repeat:
+                peer_cpu += sum(p.cpu_seconds() for p in tier_side) - cpu_before
+                tier_wall += time.monotonic() - wall_before
             if not all(put["result"]) or not all(get["result"]) or not get["exact"]:
                 raise RuntimeError(f"{peers} peers: a row was not stored or not read back intact")
             if repeat:
@@ -106,6 +122,7 @@ def throughput(peers: int, args: argparse.Namespace, log_dir: Path) -> dict:
                     ("get", get["elapsed_s"]),
                 ):
                     times[name].append(seconds)
+        _switch(stop=[], cont=raw_side)  # nothing is left stopped for the teardown
         wire = sum(cluster.wire_bytes(host)[0] for host in peer_hosts)
     nbytes = rows * row_bytes
     gbps = {name: _gbps(nbytes, t) for name, t in times.items()}
@@ -118,6 +135,8 @@ def throughput(peers: int, args: argparse.Namespace, log_dir: Path) -> dict:
         "put_ratio": gbps["put"] / gbps["raw_write"],
         "get_ratio": gbps["get"] / gbps["raw_read"],
         "bytes_to_peer_hosts": wire,  # over the links: proof the rows crossed them
+        # the peer processes' CPU while the tier's puts and gets ran (polling included), in cores
+        "peer_cores_during_tier": peer_cpu / tier_wall if tier_wall else 0.0,
     }
 
 
@@ -197,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deadline-s", type=float, default=1.0, help="the tier's deadline in the fault table"
     )
+    parser.add_argument("--membership", type=int, default=16, help="peers of the membership run (0: skip)")
+    parser.add_argument("--membership-rows", type=int, default=256, help="rows of its steady load (256)")
+    parser.add_argument(
+        "--plot", metavar="DIR", help="write the membership timeline to DIR/cluster-membership.png"
+    )
     args = parser.parse_args(argv)
     reason = probe()
     if reason is not None:
@@ -212,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rows} rows of {args.row_bytes} B per op; every host a network namespace on one bridge "
         f"(UCX over TCP on veth), {os.cpu_count()} cores shared by all, {platform.machine()}"
     )
-    figures: dict = {"throughput": [], "idle": None, "faults": []}
+    figures: dict = {"throughput": [], "idle": None, "faults": [], "membership": None}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-") as workdir:
         log_dir = Path(workdir)
         if args.hosts:
@@ -223,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             figures["throughput"].append(row)
             print(
                 f"{peers:5} {row['put_gbps']:8.2f} {row['raw_write_gbps']:6.2f} {row['put_ratio']:5.2f} "
-                f"{row['get_gbps']:8.2f} {row['raw_read_gbps']:6.2f} {row['get_ratio']:5.2f}"
+                f"{row['get_gbps']:8.2f} {row['raw_read_gbps']:6.2f} {row['get_ratio']:5.2f} "
+                f"  peers on CPU {row['peer_cores_during_tier']:.2f} cores"
             )
         base = next((r for r in figures["throughput"] if r["peers"] == args.scaling_base), None)
         if base is not None:
@@ -255,6 +280,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['victims_rows']:5}  {','.join(row['hosts_named']) or '-'} "
                 f"(at fault: {row['host_at_fault']})"
             )
+        if args.membership:
+            figures["membership"] = fig = cluster_membership.run(
+                args.membership, args.membership_rows, args.deadline_s, log_dir
+            )
+            print(
+                f"membership: {fig['peers']} peers, {fig['rows']} rows got every "
+                f"{cluster_membership.INTERVAL_S} s; balance over {fig['balance_keys']} keys "
+                f"{fig['balance']:.3f} (target <= {fig['balance_target']}); slowest get "
+                f"{fig['slowest_get_s']:.2f} s, {fig['stalls']} past deadline + "
+                f"{cluster_membership.SLACK_S} s"
+            )
+            print(
+                f"{'event':15} {'at s':>5} {'share':>5} {'lost':>5} {'others':>6} {'slowest get s':>13}  host"
+            )
+            for row in fig["events"]:
+                print(
+                    f"{row['event']:15} {row['t']:5.1f} {row['share']:5} {row['rows_lost']:5} "
+                    f"{row['rows_lost_elsewhere']:6} {row['slowest_get_s']:13.2f}  {row['host']}"
+                )
+            if args.plot:
+                print(f"timeline: {cluster_membership.plot(fig, Path(args.plot) / 'cluster-membership.png')}")
     if args.json:
         write_json(
             args.json,

@@ -11,7 +11,8 @@ Each line on stdin is one request, each answered by one line on stdout:
 
 - ``{"op": "put"|"get"|"contains", "salt": S, "count": N}``: the verb on keys ``(S, 0..N-1)``
   whose rows are the host rows ``0..N-1``; answers ``result`` (a flag per key), ``elapsed_s``
-  and, for ``get``, ``exact`` (every hit byte-identical to what was put);
+  and, for ``get``, ``exact`` (every hit byte-identical to what was put) and ``abandoned``
+  (a silent peer's rows were given up: ``RowsAbandoned``);
 - ``{"op": "owners", "salt": S, "count": N}``: the peer that owns each key now;
 - ``{"op": "state"}``: ``peers_up``, the tier's ``stats``, the ``warnings`` it logged and
   the ``ucx`` variables in force
@@ -22,6 +23,9 @@ Each line on stdin is one request, each answered by one line on stdout:
 - ``{"op": "raw", "dir": "WRITE"|"READ", "count": N}``: the baseline: rows ``0..N-1`` split
   over the targets (row ``i`` to target ``i mod T``), one NIXL request per target, all
   posted at once; ``elapsed_s``;
+- ``{"op": "load_start", "salt": S, "interval_s": I}`` / ``{"op": "load_stop"}``: a steady
+  load (``SteadyLoad``) in the background while hosts come and go; stop returns its
+  ``timeline``;
 - ``{"op": "quit"}``: close the tier and exit.
 
 The first line out is ``{"ready": ...}`` once the tier is open. Nothing else is written to
@@ -67,6 +71,16 @@ def key_of(salt: str, i: int) -> bytes:
     return f"{salt}/{i}".encode().ljust(32, b".")[:32] + bytes(4)
 
 
+async def get_rows(tier: RemoteTier, rows: list) -> tuple[list[bool], bool]:
+    """``tier.get``: a flag per row, and whether a silent peer made it abandon some rows
+    (``RowsAbandoned``: that peer's WRITE may still land in them). Here every row index
+    always holds the same bytes, so a late WRITE writes what a later get expects."""
+    try:
+        return await tier.get(rows), False
+    except RowsAbandoned as exc:
+        return exc.ok, True
+
+
 class RawTargets:
     """The baseline: an agent of its own moving the engine's rows to raw NIXL targets."""
 
@@ -106,10 +120,94 @@ class RawTargets:
                 raise RuntimeError(f"raw {op} failed: {state}")
 
 
+class SteadyLoad:
+    """A steady load under which hosts come and go: every ``interval_s`` a get of all the
+    engine's rows, then a put of the ones it missed (a cache refills what it lost), each
+    call recorded: when, how long, hits, misses, and the owners of the rows per peer after it.
+    Each miss is owed to a peer (``missed_at``): the row's holder if it is gone, else the peer
+    asked, which lacks it (it came, came back empty, or failed during the get)."""
+
+    def __init__(self, engine: Engine, salt: str, interval_s: float) -> None:
+        self.engine = engine
+        self.salt = salt
+        self.interval_s = interval_s
+        self.timeline: list[dict] = []
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        engine = self.engine
+        keys = engine.keys({"salt": self.salt})
+        self._holder = [engine.tier.owner(k) for k in keys]  # the peer that holds each row
+        await engine.tier.put(list(zip(keys, engine.src, strict=False)))
+        self._began = time.monotonic()
+        self._task = asyncio.create_task(self._run(keys))
+
+    async def stop(self) -> list[dict]:
+        self._stopping = True
+        if self._task is not None:
+            await self._task
+        return self.timeline
+
+    async def _run(self, keys: list[bytes]) -> None:
+        engine, tier = self.engine, self.engine.tier
+        while not self._stopping:
+            routed = [tier.owner(k) for k in keys]  # where this get goes
+            up = set(tier.peers_up())
+            began = time.monotonic()
+            engine.buffer[engine.rows * engine.row_bytes :] = 0
+            loaded, abandoned = await get_rows(tier, list(zip(keys, engine.dst, strict=False)))
+            took = time.monotonic() - began
+            exact = all(bytes(engine.src[i]) == bytes(engine.dst[i]) for i, ok in enumerate(loaded) if ok)
+            missed = [i for i, ok in enumerate(loaded) if not ok]
+            missed_at: dict[str, list[int]] = {}  # who each miss is owed to: the rows missed
+            for i in missed:
+                holder = self._holder[i]
+                # The row's holder is gone: its loss. Else the peer asked lacks it: a peer
+                # that came (or came back empty), or one that failed during this get.
+                who = holder if holder is not None and holder != routed[i] and holder not in up else routed[i]
+                missed_at.setdefault(str(who), []).append(i)
+            for i, ok in enumerate(loaded):
+                if ok:
+                    self._holder[i] = routed[i]
+            owners: dict[str, int] = {}
+            for k in keys:
+                owner = tier.owner(k)
+                if owner is not None:
+                    owners[owner] = owners.get(owner, 0) + 1
+            put_s, refills_failed = 0.0, 0
+            if missed:
+                began_put = time.monotonic()
+                refill = [tier.owner(keys[i]) for i in missed]
+                stored = await tier.put([(keys[i], engine.src[i]) for i in missed])
+                put_s = time.monotonic() - began_put
+                refills_failed = stored.count(False)
+                for i, owner, ok in zip(missed, refill, stored, strict=True):
+                    if ok:
+                        self._holder[i] = owner
+            self.timeline.append(
+                {
+                    "t": began - self._began,
+                    "get_s": took,
+                    "put_s": put_s,
+                    "hits": len(keys) - len(missed),
+                    "misses": len(missed),
+                    "exact": exact,
+                    "abandoned": abandoned,
+                    "refills_failed": refills_failed,
+                    "peers_up": len(tier.peers_up()),
+                    "owners": owners,
+                    "missed_at": missed_at,
+                }
+            )
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - began)))
+
+
 class Engine:
     def __init__(self, tier: RemoteTier, rows: int, row_bytes: int) -> None:
         self.tier = tier
         self.raw: RawTargets | None = None
+        self.load: SteadyLoad | None = None
         self.rows = rows
         self.row_bytes = row_bytes
         raw = np.zeros(2 * rows * row_bytes + 4096, dtype=np.uint8)
@@ -140,6 +238,15 @@ class Engine:
             if request.get("clear"):
                 warnings.messages.clear()
             return answer
+        if op == "load_start":
+            self.load = SteadyLoad(self, str(request["salt"]), float(request.get("interval_s", 0.1)))
+            await self.load.start()
+            return {"started": True}
+        if op == "load_stop":
+            if self.load is None:
+                raise ValueError("load_start first")
+            timeline = await self.load.stop()
+            return {"timeline": timeline}
         if op == "raw_connect":
             self.raw = RawTargets(self.buffer, request["targets"])
             return {"targets": len(request["targets"])}
@@ -159,11 +266,7 @@ class Engine:
             result = await self.tier.put(list(zip(keys, self.src, strict=False)))
         elif op == "get":
             self.buffer[self.rows * self.row_bytes :] = 0
-            try:
-                result = await self.tier.get(list(zip(keys, self.dst, strict=False)))
-                answer["abandoned"] = False
-            except RowsAbandoned as exc:  # a peer did not answer: its rows are misses (this
-                result, answer["abandoned"] = exc.ok, True  # benchmark never reuses them for a hit)
+            result, answer["abandoned"] = await get_rows(self.tier, list(zip(keys, self.dst, strict=False)))
             answer["exact"] = all(
                 bytes(self.src[i]) == bytes(self.dst[i]) for i, ok in enumerate(result) if ok
             )

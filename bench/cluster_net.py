@@ -17,9 +17,10 @@ Faults are set on a host's bridge port, so they act on that host's traffic only:
   how a packet is dropped);
 - ``cut``: every packet to and from the host dropped; ``partition(host, "in"|"out")``: one
   direction only; ``heal`` removes them (``clear`` removes every fault of a host);
+- ``set_delay``: every frame to and from the host ``delay_ms`` late, through a userspace
+  relay (``bench/cluster_delay.py``: no ``netem`` here), which also caps the link at what
+  one Python process relays;
 - ``HostProcess.kill``/``stop``/``cont``: SIGKILL, SIGSTOP, SIGCONT of a process in a host.
-
-Delay is not offered: without ``netem`` it needs a userspace relay of every frame.
 
 ``Cluster`` is a context manager: whatever ends the ``with`` (an exception, a failed test,
 KeyboardInterrupt), its processes are killed and its namespaces and bridge deleted; every
@@ -302,6 +303,7 @@ class Cluster:
         self.subnet = ""
         self.address = ""  # this machine's address on the bridge
         self._processes: list[HostProcess] = []
+        self._relays: dict[int, tuple[subprocess.Popen, str]] = {}  # host index -> relay, its veth
         self._up = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -360,6 +362,9 @@ class Cluster:
                 process.close()
         self._processes.clear()
         for host in self.hosts:
+            with contextlib.suppress(Exception):
+                self.clear_delay(host)
+        for host in self.hosts:
             _kill_in(host.netns)
             _run("ip", "netns", "del", host.netns, check=False)
             _run("ip", "link", "del", host.port_dev, check=False)
@@ -417,12 +422,19 @@ class Cluster:
         return process
 
     def start_engine(
-        self, host: Host, peers: Sequence[Host], *, port: int = PEER_PORT, **options: object
+        self,
+        host: Host,
+        peers: Sequence[Host],
+        *,
+        port: int = PEER_PORT,
+        module: str = "bench.cluster_engine",
+        **options: object,
     ) -> HostProcess:
-        """A ``bench/cluster_engine.py`` in ``host`` (a ``RemoteTier`` over ``peers``),
-        answering JSON requests; ``options`` are its flags (``rows=64`` -> ``--rows 64``).
-        Returns once its tier is open."""
-        argv = [sys.executable, "-m", "bench.cluster_engine", "--peers"]
+        """An engine in ``host`` answering JSON requests: ``bench/cluster_engine.py`` (a
+        ``RemoteTier`` over ``peers``) or another ``module`` that takes ``--peers``
+        (``bench.cluster_offloader``); ``options`` are its flags (``rows=64`` -> ``--rows
+        64``). Returns once it says it is ready."""
+        argv = [sys.executable, "-m", module, "--peers"]
         argv.append(",".join(peer.peer_address(port) for peer in peers))
         for name, value in options.items():
             argv += [f"--{name.replace('_', '-')}", str(value)]
@@ -442,8 +454,11 @@ class Cluster:
     # -- faults ---------------------------------------------------------------------------
 
     def set_rate(self, host: Host, rate: str, *, latency: str = "50ms") -> None:
-        """Limit ``host``'s link to ``rate`` (tc syntax: ``100mbit``, ``1gbit``) each way."""
-        burst = "256kb"
+        """Limit ``host``'s link to ``rate`` (``200kbit``, ``100mbit``, ``1gbit``) each way.
+
+        The bucket holds 10 ms of the rate, at least 16 KiB (a few full frames): a large
+        one would let the first rows through at full speed (256 KiB at 200 kbit/s did)."""
+        burst = str(max(16 << 10, bits_per_second(rate) // 8 // 100))
         for prefix in ([], ["-n", host.netns]):
             dev = host.port_dev if not prefix else "eth0"
             _run("tc", *prefix, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
@@ -477,8 +492,49 @@ class Cluster:
         for direction in ("ingress", "egress"):
             _run("tc", "filter", "del", "dev", host.port_dev, direction, "pref", "10", check=False)
 
+    def set_delay(self, host: Host, delay_ms: float) -> None:
+        """Delay every frame to and from ``host`` by ``delay_ms`` (so a round trip by twice
+        that): its bridge port leaves the bridge, and a relay (``bench/cluster_delay.py``)
+        carries its frames to a veth on the bridge and back, each ``delay_ms`` late. Faults
+        on the port (rate, loss, cut) still apply."""
+        self.clear_delay(host)
+        relay_dev, bridge_dev = f"{PREFIX}{self._tag}r{host.index}", f"{PREFIX}{self._tag}d{host.index}"
+        _run("ip", "link", "set", host.port_dev, "nomaster")
+        _run("ip", "link", "add", relay_dev, "type", "veth", "peer", "name", bridge_dev)
+        _run("ip", "link", "set", bridge_dev, "master", self.bridge)
+        for dev in (relay_dev, bridge_dev):
+            if self.mtu:
+                _run("ip", "link", "set", dev, "mtu", str(self.mtu))
+            _run("ip", "link", "set", dev, "up")
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "bench.cluster_delay", host.port_dev, relay_dev, str(delay_ms)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
+        self._relays[host.index] = (relay, relay_dev)
+        assert relay.stdout is not None
+        readable, _, _ = select.select([relay.stdout], [], [], READY_TIMEOUT_S)
+        if not readable or "relaying" not in relay.stdout.readline():
+            self.clear_delay(host)
+            raise ClusterUnavailable(f"the delay relay for {host.netns} did not start")
+
+    def clear_delay(self, host: Host) -> None:
+        """Undo ``set_delay``: the relay stops, the port is on the bridge again."""
+        relay, relay_dev = self._relays.pop(host.index, (None, ""))
+        if relay is None:
+            return
+        relay.kill()
+        relay.wait(10)
+        if relay.stdout is not None:
+            relay.stdout.close()
+        _run("ip", "link", "del", relay_dev, check=False)  # its peer on the bridge goes with it
+        _run("ip", "link", "set", host.port_dev, "master", self.bridge, check=False)
+
     def clear(self, host: Host) -> None:
-        """Remove every fault of ``host``: rate, loss, cut, partition."""
+        """Remove every fault of ``host``: rate, loss, delay, cut, partition."""
+        self.clear_delay(host)
         self.heal(host)
         for direction in ("ingress", "egress"):
             _run("tc", "filter", "del", "dev", host.port_dev, direction, "pref", "20", check=False)
@@ -510,6 +566,14 @@ class Cluster:
         """Bytes that went ``(to, from)`` ``host`` over its link (its bridge port's counters)."""
         stats = Path(f"/sys/class/net/{host.port_dev}/statistics")
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def bits_per_second(rate: str) -> int:
+    """``200kbit`` -> 200000 (units: bit, kbit, mbit, gbit; tc's meaning, powers of 1000)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"rate {rate!r}: a number and bit, kbit, mbit or gbit")
+    return int(float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)])
 
 
 def _base36(n: int) -> str:

@@ -6,11 +6,24 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from bench import cluster_net
 from bench.cluster_net import Cluster
+
+# A TCP echo server in a host.
+ECHO = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 9001))
+print("echoing", flush=True)
+while True:
+    conn, _ = srv.accept()
+    while chunk := conn.recv(1 << 16):
+        conn.sendall(chunk)
+    conn.close()
+"""
 
 # A TCP server in a host: accepts, reads until the client closes, says how much it read.
 SERVER = """
@@ -112,3 +125,41 @@ def test_sweep_deletes_what_a_dead_creator_left_only(make_cluster) -> None:
         assert live.hosts[0].netns in left  # this process is alive: its cluster stays
     finally:
         subprocess.run(["ip", "netns", "del", orphan], capture_output=True)
+
+
+def test_a_delayed_host_answers_late_and_intact(make_cluster) -> None:
+    cluster = make_cluster(1)
+    (host,) = cluster.hosts
+    echo = cluster.start(host, [sys.executable, "-c", ECHO, host.address])
+    echo.wait_for("echoing")
+    cluster.set_delay(host, 25)
+    with socket.create_connection((host.address, 9001), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        began = time.monotonic()
+        sock.sendall(b"ping")
+        assert sock.recv(4) == b"ping"
+        # A lower bound: the relay holds each frame 25 ms each way, whatever the load.
+        assert time.monotonic() - began >= 0.05
+    relay_dev = f"{cluster.bridge[:-1]}r{host.index}"  # the relay's veth: kvt<tag>r<i>
+    assert relay_dev in _names()
+    cluster.clear_delay(host)
+    assert relay_dev not in _names()
+    with socket.create_connection((host.address, 9001), timeout=10) as sock:  # back on the bridge
+        sock.sendall(b"pong")
+        assert sock.recv(4) == b"pong"
+
+
+def test_a_machine_that_forbids_namespaces_is_named_and_skipped(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setattr(cluster_net, "_probed", [])
+    monkeypatch.setattr(cluster_net.os, "geteuid", lambda: 1000)
+    assert cluster_net.probe() == "network namespaces need root"
+    with pytest.raises(cluster_net.ClusterUnavailable, match="need root"):
+        Cluster(1, tmp_path).__enter__()
+    from bench.cluster import main as bench_cluster
+
+    assert bench_cluster(["--hosts", "1"]) == 2
+    assert "need root" in capsys.readouterr().err
+    monkeypatch.setattr(cluster_net, "_probed", [])
+    monkeypatch.setattr(cluster_net.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cluster_net.os, "geteuid", lambda: 0)
+    assert cluster_net.probe() == "`ip` or `tc` (iproute2) is not installed"

@@ -61,7 +61,7 @@ def test_a_faulty_peer_costs_a_call_at_most_its_deadline(make_cluster, fault, fi
     state = engine.request({"op": "state"})
     assert state["peers_up"] == [host.peer_address() for host in healthy]
     assert state["stats"]["peer_failures"] == 1
-    if fault != "killed":
+    if fault not in ("killed", "slow"):  # a slow peer may say its transfer failed, in time
         assert state["stats"]["timeouts"] >= 1  # a silent host costs a deadline, then it is down
     blamed = state["warnings"]
     assert any(victim.peer_address() in message for message in blamed), blamed
