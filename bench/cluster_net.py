@@ -52,6 +52,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.child_process import Faultable
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +195,7 @@ class Host:
         return f"{self.address}:{port}"
 
 
-class HostProcess:
+class HostProcess(Faultable):
     """A process started in a host; its stderr goes to ``log_path``, and so does its stdout
     unless ``interactive`` (then ``request`` speaks JSON lines over stdin and stdout)."""
 
@@ -262,23 +264,8 @@ class HostProcess:
         fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def kill(self) -> None:
-        """SIGKILL, as a host that loses power."""
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        """SIGSTOP: a hung host (its sockets stay open, nothing answers)."""
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def cont(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.kill()
+        self.kill()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 with contextlib.suppress(OSError):

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.child_process import Faultable
+
 READY_TIMEOUT_S = 30.0
 
 
@@ -125,7 +127,7 @@ class MasterProcess:
             self.proc.wait(10)
 
 
-class StorageProcess:
+class StorageProcess(Faultable):
     """One ``mooncake_client`` child: Mooncake's own storage-only client, which mounts a
     ``segment_bytes`` segment of its memory into the pool of the master at ``master`` and
     serves it at ``host`` (its ``local_hostname``). What a storage host runs in a cluster;
@@ -168,15 +170,5 @@ class StorageProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def stop(self) -> None:
-        """Freeze it (SIGSTOP): its sockets stay open, and nothing answers on them."""
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def cont(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
+        self.kill()

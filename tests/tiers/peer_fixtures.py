@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.child_process import Faultable
 from tiers.address import Address
 from tiers.remote import RemoteTier
 from tiers.remote import protocol as proto
@@ -48,7 +49,7 @@ def die_with_parent() -> None:
     _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
-class PeerProcess:
+class PeerProcess(Faultable):
     """One ``python -m tiers.remote.server`` child."""
 
     def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
@@ -83,22 +84,8 @@ class PeerProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def cont(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)
-                self.proc.kill()
-            self.proc.wait(10)
+        self.kill()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()

@@ -24,7 +24,7 @@ from tests.tiers.peer_fixtures import LAYOUT, HostRows, aligned_buffer, die_with
 from tiers.address import Address
 from tiers.base import RowsAbandoned, TierError
 from tiers.mooncake import MooncakeTier, object_key
-from tiers.mooncake.faults import replica_hosts
+from tiers.mooncake.faults import STORE_TIMEOUT_VARIABLES, replica_hosts
 from tiers.row_format import RowHeader, checksum
 from tiers.settings import MooncakeSettings
 
@@ -272,11 +272,19 @@ def test_without_the_package_the_tier_says_how_to_install(monkeypatch):
         )
 
 
-async def test_a_stopped_storage_host_costs_a_deadline_is_named_and_the_master_stays_up(tmp_path):
+async def test_a_stopped_storage_host_costs_a_deadline_is_named_and_the_master_stays_up(
+    tmp_path, monkeypatch
+):
     """A storage process (Mooncake's ``mooncake_client``) holds every row; it is frozen
     (SIGSTOP). Issue #20: a get held 42 s with ``deadline_s = 2``, then the master was
     reported gone. Now each call returns within its deadline plus the stated slack, the
-    master (which answers) stays up, the storage host is named, and later gets skip it."""
+    master (which answers) stays up, the storage host is named, and later gets skip it.
+
+    Mooncake's TCP timeouts are process-wide and only ever set by the first tier of a process
+    (``bound_store_timeouts``): an earlier test's tier with a 30 s deadline left them at 15 s,
+    and the stopped host's call then outlived this test's wait. Set here as this tier would."""
+    for name in STORE_TIMEOUT_VARIABLES:
+        monkeypatch.setenv(name, "1")
     master = start_master(tmp_path)
     storage = StorageProcess(tmp_path / "storage.log", master.address, preexec_fn=die_with_parent)
     rows, keys = rows_and_keys([256 * KIB] * 16, seed=10)

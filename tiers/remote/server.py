@@ -106,6 +106,17 @@ SWEEP_S = 1.0
 TTL if that is more often (TTLs are safety nets: a late sweep only holds slots longer)."""
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """What a PUT or GET names: per key its row's length and address in the client's memory,
+    and when the peer's transfer must end (the client's budget, less ``REPLY_MARGIN_S``)."""
+
+    keys: list[bytes]
+    lengths: list[int]
+    addrs: list[int]
+    deadline: float
+
+
 class TransferFailed(Exception):
     """The peer's READ or WRITE of a client's rows failed (``timed_out``: ran out of the
     client's budget): answered, then the connection closes."""
@@ -487,11 +498,9 @@ class PeerServer:
         rid = frame.request_id
         try:
             keys, lengths, addrs, budget_ms = proto.decode_transfer(frame.payload)
-            deadline = time.monotonic() + budget_ms / 1000 - REPLY_MARGIN_S
-            if frame.type == proto.Msg.PUT:
-                reply = await self._put(conn, tenant, agent, keys, lengths, addrs, deadline)
-            else:
-                reply = await self._get(conn, tenant, agent, keys, lengths, addrs, deadline)
+            rows = _Rows(keys, lengths, addrs, time.monotonic() + budget_ms / 1000 - REPLY_MARGIN_S)
+            serve = self._put if frame.type == proto.Msg.PUT else self._get
+            reply = await serve(conn, tenant, agent, rows)
             await self._send(writer, session, *reply(rid))
         except proto.ProtocolError as exc:
             self.counters.protocol_errors += 1
@@ -513,17 +522,9 @@ class PeerServer:
             log.exception("closing a connection after an unexpected error in a transfer")
             writer.close()
 
-    async def _put(
-        self,
-        conn: int,
-        tenant: str,
-        agent: str,
-        keys: list[bytes],
-        lengths: list[int],
-        addrs: list[int],
-        deadline: float,
-    ):
+    async def _put(self, conn: int, tenant: str, agent: str, rows: _Rows):
         """Allocate slots for the keys not stored yet and READ those rows into them."""
+        keys, lengths, addrs, deadline = rows.keys, rows.lengths, rows.addrs, rows.deadline
         alloc_id, slots = self.pool.allocate(conn, keys, lengths, tenant=tenant)
         landed = [proto.Landed.EXISTS if s == proto.EXISTS else proto.Landed.REFUSED for s in slots]
         reads = [i for i, s in enumerate(slots) if s < proto.EXISTS]
@@ -545,20 +546,12 @@ class PeerServer:
         payload = proto.encode_landed(alloc_id if reads else 0, landed)
         return lambda rid: (proto.Msg.LANDED, rid, payload)
 
-    async def _get(
-        self,
-        conn: int,
-        tenant: str,
-        agent: str,
-        keys: list[bytes],
-        lengths: list[int],
-        addrs: list[int],
-        deadline: float,
-    ):
+    async def _get(self, conn: int, tenant: str, agent: str, rows: _Rows):
         """WRITE the rows stored under the keys (with the length the client asks for) into the
         client's rows, verifying each part's rows against their committed checksums right after
         its copy (beside the next copy where a core is free); a row that fails is a miss and is
         dropped. The slots stay leased until the WRITE is over."""
+        keys, lengths, addrs, deadline = rows.keys, rows.lengths, rows.addrs, rows.deadline
         lease_id, entries = self.pool.lookup(conn, keys, tenant)
         headers: list[bytes | None] = [None] * len(keys)
         try:
