@@ -27,7 +27,7 @@ import numpy as np
 
 from tiers.address import Address
 from tiers.remote.client import Announcement, PeerClient
-from tiers.remote.net_iface import interface_of
+from tiers.remote.net_iface import on_this_host
 from tiers.remote.nixl_agent import AgentThread
 from tiers.remote.protocol import DEFAULT_TENANT, PROBE_BYTES, Welcome
 from tiers.remote.routing import peer_seed
@@ -95,7 +95,7 @@ class Membership:
         for i, address in enumerate(addresses):  # parsed already (RemoteSettings.peers)
             text = str(address)
             peer = Peer(text, address.host, address.port, peer_seed(text), i * SCRATCH_PER_PEER)
-            peer.on_this_host = interface_of(address.host) is not None
+            peer.on_this_host = on_this_host(address.host)
             self.peers.append(peer)
         self.scratch = np.zeros(len(self.peers) * SCRATCH_PER_PEER, dtype=np.uint8)
         self.token = token

@@ -50,7 +50,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -428,34 +428,33 @@ class PeerServer:
         probe_addr, metadata = proto.decode_agent(frame.payload)
         try:
             name = check_client_metadata(metadata, probe_addr, proto.PROBE_BYTES).name
+            if name in self._agents:
+                raise MetadataError(f"agent {name} is another connection's")
         except MetadataError as exc:
-            self.counters.agents_refused += 1
-            log.warning("closing %s: its NIXL metadata is refused: %s", peername, exc)
-            return None
-        if name in self._agents:
-            self.counters.agents_refused += 1
-            log.warning("closing %s: agent %s is another connection's", peername, name)
-            return None
-        self._agents[name] = conn_id
+            return self._refuse_agent(peername, exc)
+        self._agents[name] = conn_id  # held while it loads: a second claim to the name is refused
+        ready = False
         try:
             loaded = await self.memory.load(metadata, timeout)
             if loaded != name:
                 raise MetadataError(f"NIXL loaded agent {loaded!r}, the metadata names {name!r}")
             got = await self.memory.read_probe(name, probe_addr, time.monotonic() + timeout)
-        except (MetadataError, TransferFailed, TimeoutError, Exception) as exc:
-            self.counters.agents_refused += 1
-            log.warning("closing %s: its NIXL agent cannot be used: %s", peername, exc)
-            del self._agents[name]
-            self.memory.forget(name)
-            return None
-        if not proto.macs_equal(session.probe_value, got):
-            self.counters.agents_refused += 1
-            log.warning("closing %s: its probe bytes do not hold this session's value", peername)
-            del self._agents[name]
-            self.memory.forget(name)
-            return None
+            if not proto.macs_equal(session.probe_value, got):
+                raise MetadataError("its probe bytes do not hold this session's value")
+            ready = True
+        except Exception as exc:
+            return self._refuse_agent(peername, exc)
+        finally:
+            if not ready:  # refused, or the peer is stopping: the name is free again
+                del self._agents[name]
+                self.memory.forget(name)
         await self._send(writer, session, proto.Msg.READY, 0, b"")
         return name
+
+    def _refuse_agent(self, peername, why: Exception) -> None:
+        """Count and log a refused AGENT; the connection is then closed, unanswered."""
+        self.counters.agents_refused += 1
+        log.warning("closing %s: its NIXL agent is refused: %s", peername, why)
 
     async def _requests(
         self,
@@ -522,22 +521,35 @@ class PeerServer:
             log.exception("closing a connection after an unexpected error in a transfer")
             writer.close()
 
+    async def _move(
+        self,
+        op: str,
+        agent: str,
+        rows: _Rows,
+        slots: Sequence[int] | Mapping[int, int],
+        idxs: list[int],
+        **parts: Any,
+    ) -> list[Any]:
+        """``memory.transfer`` of rows ``idxs`` of a request, row ``i`` to or from slot
+        ``slots[i]``, by the request's deadline (``parts``: ``part_sizes`` and ``after``)."""
+        return await self.memory.transfer(
+            op,
+            agent,
+            [self.memory.slot_addr(slots[i]) for i in idxs],
+            [rows.addrs[i] for i in idxs],
+            [rows.lengths[i] for i in idxs],
+            rows.deadline,
+            **parts,
+        )
+
     async def _put(self, conn: int, tenant: str, agent: str, rows: _Rows):
         """Allocate slots for the keys not stored yet and READ those rows into them."""
-        keys, lengths, addrs, deadline = rows.keys, rows.lengths, rows.addrs, rows.deadline
-        alloc_id, slots = self.pool.allocate(conn, keys, lengths, tenant=tenant)
+        alloc_id, slots = self.pool.allocate(conn, rows.keys, rows.lengths, tenant=tenant)
         landed = [proto.Landed.EXISTS if s == proto.EXISTS else proto.Landed.REFUSED for s in slots]
         reads = [i for i, s in enumerate(slots) if s < proto.EXISTS]
         if reads:
             try:
-                await self.memory.transfer(
-                    "READ",
-                    agent,
-                    [self.memory.slot_addr(slots[i]) for i in reads],
-                    [addrs[i] for i in reads],
-                    [lengths[i] for i in reads],
-                    deadline,
-                )
+                await self._move("READ", agent, rows, slots, reads)
             except BaseException:
                 self.pool.abort(conn, alloc_id)
                 raise
@@ -551,7 +563,7 @@ class PeerServer:
         client's rows, verifying each part's rows against their committed checksums right after
         its copy (beside the next copy where a core is free); a row that fails is a miss and is
         dropped. The slots stay leased until the WRITE is over."""
-        keys, lengths, addrs, deadline = rows.keys, rows.lengths, rows.addrs, rows.deadline
+        keys, lengths = rows.keys, rows.lengths
         lease_id, entries = self.pool.lookup(conn, keys, tenant)
         headers: list[bytes | None] = [None] * len(keys)
         try:
@@ -573,13 +585,12 @@ class PeerServer:
                         self.memory.checksum(slots[i], lengths[i]) == parsed[i].checksum for i in parts[k]
                     ]
 
-                verdicts = await self.memory.transfer(
+                verdicts = await self._move(
                     "WRITE",
                     agent,
-                    [self.memory.slot_addr(slots[i]) for i in writes],
-                    [addrs[i] for i in writes],
-                    [lengths[i] for i in writes],
-                    deadline,
+                    rows,
+                    slots,
+                    writes,
                     part_sizes=[len(part) for part in parts],
                     after=verify,
                 )
