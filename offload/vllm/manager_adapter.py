@@ -153,8 +153,7 @@ class KVTierOffloadingManager(OffloadingManager):
     @_reset_pending.setter
     def _reset_pending(self, value: bool) -> None:
         self._reset = value
-        self._gated = value or self._flush
-        self._bind_lookup()
+        self._gates_changed()
 
     @property
     def _flush_pending(self) -> bool:
@@ -164,7 +163,10 @@ class KVTierOffloadingManager(OffloadingManager):
     @_flush_pending.setter
     def _flush_pending(self, value: bool) -> None:
         self._flush = value
-        self._gated = value or self._reset
+        self._gates_changed()
+
+    def _gates_changed(self) -> None:
+        self._gated = self._reset or self._flush
         self._bind_lookup()
 
     # -- lookups and loads -------------------------------------------------------------
