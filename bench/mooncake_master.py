@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import signal
 import socket
 import subprocess
 import time
@@ -52,7 +51,21 @@ def master_argv(host: str, port: int, lease_ms: int) -> list[str]:
     ]
 
 
-class MasterProcess:
+def _wait_listening(process, host: str, port: int, what: str) -> None:
+    """Until ``process.proc`` accepts connections on ``host:port``; closed and ``RuntimeError``
+    if it exits or does not within ``READY_TIMEOUT_S``."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({process.proc.returncode}):\n{process.log()}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
+            return
+        time.sleep(0.05)
+    process.close()
+    raise RuntimeError(f"{what} did not listen on {host}:{port}:\n{process.log()}")
+
+
+class MasterProcess(Faultable):
     """One ``mooncake_master`` child, logging to ``log_path``.
 
     ``lease_ms``: how long an object stays unevictable after a put or a get (the master's
@@ -75,7 +88,7 @@ class MasterProcess:
         self.log_path = log_path
         self.lease_ms = lease_ms
         self.preexec_fn = preexec_fn
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # type: ignore[assignment]  # set by start()
         self.start()
 
     def start(self) -> None:
@@ -84,28 +97,15 @@ class MasterProcess:
             self.proc = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=self.preexec_fn
             )
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}):\n{self.log()}")
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.2):
-                return
-            time.sleep(0.05)
-        self.close()
-        raise RuntimeError(f"mooncake_master did not listen on {self.address}:\n{self.log()}")
+        _wait_listening(self, self.host, self.port, "mooncake_master")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
     def stop(self) -> None:
-        """Freeze the master (SIGSTOP): it keeps its port, and answers nothing."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        """Freeze the master (SIGSTOP): it keeps its port, and answers nothing; returns once
+        every thread of it is stopped."""
+        super().stop()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:  # stopped only once every thread of it is
             with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -113,18 +113,12 @@ class MasterProcess:
                     return
             time.sleep(0.01)
 
-    def cont(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
     def restart(self) -> None:
         self.start()
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            self.kill()
 
 
 class StorageProcess(Faultable):
@@ -157,15 +151,7 @@ class StorageProcess(Faultable):
         ]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log, preexec_fn=preexec_fn)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n{self.log()}")
-            with contextlib.suppress(OSError), socket.create_connection((host, self.port), 0.2):
-                return
-            time.sleep(0.05)
-        self.close()
-        raise RuntimeError(f"mooncake_client did not come up:\n{self.log()}")
+        _wait_listening(self, host, self.port, "mooncake_client")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
