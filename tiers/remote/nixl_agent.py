@@ -222,11 +222,6 @@ class AgentThread:
         self._serial_calls = 0  # calls left that keep their after work here (agent thread only)
         self._serial_span = _SERIAL_CALLS  # how many the next crowded call sets
 
-    @property
-    def parts_after_beside(self) -> int:
-        """How many parts' ``after`` work ran on the after-thread (not on the agent's)."""
-        return self._after.parts_run if self._after is not None else 0
-
     async def start(self, timeout: float) -> None:
         """Create the agent on its thread (the first UCX agent of a process takes ~0.5 s)."""
         self._thread.start()
@@ -534,7 +529,6 @@ class _AfterThread:
         self._stopping = False
         self._running: _Transfer | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.parts_run = 0  # how many parts' work this thread ran (the rest ran on the agent's)
 
     def start(self) -> None:
         self._thread.start()
@@ -576,7 +570,6 @@ class _AfterThread:
                     break
                 _run_after(part)
                 self._running = None
-                self.parts_run += 1
             if self._stopping:
                 return
 

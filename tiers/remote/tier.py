@@ -73,8 +73,8 @@ class RemoteTier(LowerTier):
     owner is chosen by hashing each peer's address as written), ``peer_tenant`` (the tenant
     claimed at the peers, which ``token`` must grant, else the peer refuses it),
     ``deadline_s`` (the most any call takes: control messages and transfers together) and
-    ``checksum_thread`` (hash each part on a thread beside the agent's while the next part
-    is copied; ``False``: on the agent's thread, after the copy).
+    ``checksum_thread`` (hash a put's rows on a thread beside the event loop while the other
+    request in flight moves; ``False``: on the loop; a get's rows are verified by the peer).
 
     ``namespace``: prefixes every key on the wire. ``layout_id``: the 16-byte layout id of
     the rows this client puts; ``get`` also serves rows of ``readable_layouts`` (layouts its
@@ -134,7 +134,6 @@ class RemoteTier(LowerTier):
         self.max_backoff_s = max_backoff_s
         self.keys_per_request = keys_per_request
         self.max_tracked_keys = max_tracked_keys
-        self.checksum_thread = checksum_thread
         self._stats = RemoteStats()
         self._members = Membership(
             settings.peers,
