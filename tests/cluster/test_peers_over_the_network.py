@@ -16,7 +16,7 @@ def test_rows_cross_the_peers_links(make_cluster) -> None:
     cluster.start_peers(peer_hosts, capacity="32MiB", row_bytes="256KiB")
     engine = cluster.start_engine(engine_host, peer_hosts, rows=ROWS, row_bytes=ROW_BYTES)
     ucx = engine.request({"op": "state"})["ucx"]
-    assert ucx["UCX_TLS"] == "tcp" and ucx["UCX_NET_DEVICES"] == "eth0"  # set by kvtier, not by us
+    assert ucx["UCX_TLS"] == "^sm" and ucx["UCX_NET_DEVICES"] == "eth0"  # set by kvtier, not by us
     owners = engine.request({"op": "owners", "salt": "wire"})["result"]
     before = [cluster.wire_bytes(host) for host in peer_hosts]
     assert engine.request({"op": "put", "salt": "wire"})["result"] == [True] * ROWS

@@ -25,12 +25,16 @@ def test_peers_on_loopback_bind_lo_and_keep_ucx_transports(clean_env) -> None:
     assert os.environ["UCX_NET_DEVICES"] == "lo" and "UCX_TLS" not in os.environ
 
 
-def test_peers_elsewhere_use_tcp_on_the_interface_that_routes_to_them(clean_env) -> None:
+def test_peers_elsewhere_get_every_transport_but_shared_memory_on_the_interface_that_routes_to_them(
+    clean_env,
+) -> None:
     interface = route_interface("192.0.2.77")  # TEST-NET-1: routed by the default route, if any
     if interface is None:
         pytest.skip("this machine has no route beyond loopback")
     settings = configure_ucx_for_peers(["192.0.2.77"])
-    assert settings["UCX_NET_DEVICES"] == interface and settings["UCX_TLS"] == "tcp"
+    # An exclusion: a list ("tcp") would keep RDMA out between machines, and NIXL refuses a
+    # UCX agent whose list leaves CUDA's transports out on a machine with NVIDIA GPUs.
+    assert settings["UCX_NET_DEVICES"] == interface and settings["UCX_TLS"] == "^sm"
     # A later client of loopback peers in this process replaces what kvtier set, not more.
     assert configure_ucx_for_peers(["127.0.0.1"]) == {"UCX_NET_DEVICES": "lo"}
     assert "UCX_TLS" not in os.environ

@@ -18,10 +18,14 @@ client's agent starts and each only if the user did not:
 
 - ``UCX_NET_DEVICES``: the interfaces that route to the configured peers (``lo`` for a peer
   on loopback, the interface holding the address for a peer on this host);
-- ``UCX_TLS=tcp`` when no configured peer is on this host (no address of this network
-  namespace, nor loopback), so the rows cross the network as they would between machines
-  (measured: the same 16 MiB then put 16.9 MB on the wire each way); with a peer on this
-  host UCX keeps its default (shared memory and CMA for that peer);
+- ``UCX_TLS=^sm`` when no configured peer is on this host (no address of this network
+  namespace, nor loopback): every transport but shared memory and CMA, so the rows cross
+  the network as they would between machines (measured: the same 16 MiB then put 16.9 MB
+  on the wire each way); with a peer on this host UCX keeps its default (shared memory and
+  CMA for that peer). An exclusion, not a list such as ``tcp``: a list would keep RDMA
+  NICs out of use between real machines, and on a machine with NVIDIA GPUs NIXL refuses to
+  start a UCX agent whose ``UCX_TLS`` leaves CUDA's transports out (measured on an H100
+  server: ``UCX_TLS=tcp`` failed every agent with ``NIXL_ERR_BACKEND``, ``^sm`` started);
 - ``UCX_TCP_BRIDGE_ENABLE=y`` when one of those interfaces is a bridge (a host whose
   containers are the peers): UCX ignores bridge devices otherwise and finds no transport.
 """
@@ -40,6 +44,8 @@ from tiers.shared import ipv6_interfaces
 log = logging.getLogger("kvtier.peer")
 
 _SIOCGIFADDR = 0x8915
+NOT_BETWEEN_HOSTS = "^sm"
+"""``UCX_TLS`` for peers on other hosts: UCX's transports less its shared-memory ones (CMA too)."""
 _SET_BY_KVTIER: dict[str, str] = {}  # what configure_ucx_for_peers set: not the user's to keep
 
 
@@ -137,7 +143,7 @@ def configure_ucx_for_peers(hosts: list[str]) -> dict[str, str]:
         if any(os.path.isdir(f"/sys/class/net/{name}/bridge") for name in interfaces):
             wanted["UCX_TCP_BRIDGE_ENABLE"] = "y"
     if hosts and not local:
-        wanted["UCX_TLS"] = "tcp"
+        wanted["UCX_TLS"] = NOT_BETWEEN_HOSTS
     in_force = {}
     for var in ("UCX_NET_DEVICES", "UCX_TLS", "UCX_TCP_BRIDGE_ENABLE"):
         current = os.environ.get(var)

@@ -166,7 +166,7 @@ class RemoteTier(LowerTier):
         """Start the NIXL agent, register the host tier once and reach every peer.
 
         UCX is first pointed at the network of the configured peers (``net_iface``:
-        ``UCX_NET_DEVICES``, and ``UCX_TLS=tcp`` when no peer is on this host), unless the
+        ``UCX_NET_DEVICES``, and ``UCX_TLS=^sm`` when no peer is on this host), unless the
         user set those variables.
 
         A peer that cannot be reached now is not an error (it is retried with backoff); a
