@@ -36,6 +36,6 @@ def make_cluster(tmp_path):
 
 @pytest.fixture(autouse=True)
 def ucx_from_the_peers(monkeypatch):
-    for var in ("UCX_NET_DEVICES", "UCX_TLS", "UCX_TCP_BRIDGE_ENABLE"):
+    for var in net_iface.VARIABLES:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(net_iface, "_SET_BY_KVTIER", {})

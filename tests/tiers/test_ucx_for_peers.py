@@ -10,7 +10,7 @@ import pytest
 from tiers.remote import net_iface
 from tiers.remote.net_iface import configure_ucx_for_peers, route_interface
 
-VARS = ("UCX_NET_DEVICES", "UCX_TLS", "UCX_TCP_BRIDGE_ENABLE")
+VARS = net_iface.VARIABLES
 
 
 @pytest.fixture
@@ -35,16 +35,19 @@ def test_peers_elsewhere_get_every_transport_but_shared_memory_on_the_interface_
     # An exclusion: a list ("tcp") would keep RDMA out between machines, and NIXL refuses a
     # UCX agent whose list leaves CUDA's transports out on a machine with NVIDIA GPUs.
     assert settings["UCX_NET_DEVICES"] == interface and settings["UCX_TLS"] == "^sm"
+    assert settings["UCX_TCP_TX_SEG_SIZE"] == "32k"  # a peer's READ over TCP: answered in these
     # A later client of loopback peers in this process replaces what kvtier set, not more.
     assert configure_ucx_for_peers(["127.0.0.1"]) == {"UCX_NET_DEVICES": "lo"}
-    assert "UCX_TLS" not in os.environ
+    assert "UCX_TLS" not in os.environ and "UCX_TCP_TX_SEG_SIZE" not in os.environ
 
 
 def test_a_user_setting_is_kept(clean_env, monkeypatch) -> None:
     monkeypatch.setenv("UCX_NET_DEVICES", "eth7")
     monkeypatch.setenv("UCX_TLS", "rc,tcp")
-    assert configure_ucx_for_peers(["192.0.2.77"]) == {"UCX_NET_DEVICES": "eth7", "UCX_TLS": "rc,tcp"}
-    assert os.environ["UCX_NET_DEVICES"] == "eth7" and os.environ["UCX_TLS"] == "rc,tcp"
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
+    mine = {"UCX_NET_DEVICES": "eth7", "UCX_TLS": "rc,tcp", "UCX_TCP_TX_SEG_SIZE": "8k"}
+    assert configure_ucx_for_peers(["192.0.2.77"]) == mine
+    assert {var: os.environ[var] for var in mine} == mine
 
 
 def test_a_peer_with_no_route_leaves_the_devices_alone(clean_env, monkeypatch) -> None:
