@@ -23,6 +23,7 @@ processes of one host; 2026-11-26).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -198,3 +199,20 @@ def test_a_failed_peer_host_costs_a_request_its_deadline_never_a_stall(make_clus
             f" {split} rows loaded,"
             f" {ROWS - owners.count(victim)} promoted, {owners.count(victim)} missed"
         )
+
+
+def test_bench_cluster_vllm_runs_and_accounts_for_its_rows(make_cluster, tmp_path, capsys):
+    """``kvtier bench cluster --vllm-peers`` at a small size (``make_cluster`` only for its skip):
+    every prefix came whole from the peers (the run raises otherwise) and over their links. No
+    timing is asserted: figures belong to the benchmark's run."""
+    from bench import cluster
+
+    out = tmp_path / "cluster.json"
+    only_vllm = ["--hosts", "", "--idle-peers", "0", "--faults", "", "--membership", "0"]
+    small = ["--vllm-peers", "2", "--vllm-rounds", "1", "--vllm-tokens", "600"]
+    assert cluster.main([*only_vllm, *small, "--json", str(out)]) == 0
+    assert "from the peers" in capsys.readouterr().out
+    fig = json.loads(out.read_text())["vllm"]
+    rows = (600 - 1) // BLOCK
+    assert fig["rows_per_prefix"] == rows and fig["rows_loaded_by_tier"] == {"remote": rows}
+    assert fig["bytes_from_peer_hosts"] >= rows * (128 << 10)
