@@ -4,8 +4,9 @@ hosts, against the same engine computing it, in the same run.
 
 The engine runs in this machine's namespace, at the cluster's ``10.77.K.1`` (a child process
 started after the cluster exists: UCX reads the routing table once per process), with a host
-tier and a remote tier written through to N peers, each on a host of its own; kvtier sets
-``UCX_TLS=tcp`` from their addresses, so the rows cross the peers' links. Per round, a new
+tier and a remote tier written through to N peers, each on a host of its own; kvtier leaves
+UCX's shared-memory transports out (``UCX_TLS``) from their addresses, so the rows cross the
+peers' links. Per round, a new
 document (token ids): its first request is computed (every row also goes to its peer); the
 same request again is served by vLLM's device cache; then the device cache and kvtier's host
 tier are emptied, and the request once more is served by the peers. TTFT is the engine's,

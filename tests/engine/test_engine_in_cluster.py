@@ -3,10 +3,10 @@ other simulated hosts (network namespaces on a bridge, ``bench/cluster_net.py``)
 
 The engine runs in this machine's namespace, at the cluster's ``10.77.K.1``; it is a child
 process started after the cluster exists (UCX reads the routing table once per process).
-kvtier sets its UCX variables from the peers' addresses (``UCX_TLS=tcp``, the engine's veth
-on the bridge), so rows cross the peers' links: with ``UCX_TLS=all`` instead, the same 37
-rows came back from the peers with under 2 KB on each link (shared memory, as between
-processes of one host; 2026-11-26).
+kvtier sets its UCX variables from the peers' addresses (``UCX_TLS`` without shared memory,
+``UCX_NET_DEVICES`` the engine's veth on the bridge), so rows cross the peers' links: with
+``UCX_TLS=all`` instead, the same 37 rows came back from the peers with under 2 KB on each
+link (shared memory, as between processes of one host; 2026-11-26).
 
 - A prefix reset out of vLLM's device cache and kvtier's host tier comes back from three
   peers, token- and logprob-exact against the engine's own device prefix cache, and its rows
@@ -43,6 +43,7 @@ from tests.engine.test_real_engine import (
     cold_and_reference,
     wait_spilled,
 )
+from tiers.remote import net_iface
 
 pytestmark = pytest.mark.multiprocess
 
@@ -84,7 +85,8 @@ def warnings_naming(text: str, address: str) -> list[str]:
 def test_a_reset_prefix_comes_back_from_the_peers_across_the_bridge(make_cluster, make_engine):
     cluster, _peers, engine = start(make_cluster, make_engine, PEERS)
     ucx = next(line for line in engine_log(engine).splitlines() if "UCX for peers on" in line)
-    assert "'UCX_TLS': 'tcp'" in ucx and f"'UCX_NET_DEVICES': '{cluster.nic}'" in ucx, ucx
+    assert f"'UCX_TLS': '{net_iface.NOT_BETWEEN_HOSTS}'" in ucx, ucx  # set by kvtier, not by us
+    assert f"'UCX_NET_DEVICES': '{cluster.nic}'" in ucx, ucx
     before = [cluster.wire_bytes(host) for host in cluster.hosts]
 
     _cold, reference = cold_and_reference(engine)
