@@ -22,6 +22,9 @@ peers' addresses). Three parts, each skippable:
 - **faults**: per fault of ``cluster_net.FAULTS``, an engine and three peers, one of which
   fails after the rows went in; the first get after it: its deadline, how long it took, rows
   missed against the victim's share, and which hosts the tier's warnings named.
+- **vllm** (``bench/cluster_vllm.py``, off unless ``--vllm-peers N``; needs vLLM's CPU build or
+  a GPU): a real vLLM engine's time to first token for a prefix served by N peers across the
+  bridge, against the same engine computing it.
 
 Figures from this machine share its cores with every simulated host: read the ratios, not
 the GB/s.
@@ -38,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import cluster_membership
+from bench import cluster_membership, cluster_vllm
 from bench.cluster_net import FAULTS, Cluster, HostProcess, probe
 from bench.report import write_json
 from tiers.sizes import parse_size
@@ -202,6 +205,26 @@ def fault(name: str, deadline_s: float, log_dir: Path) -> dict:
     }
 
 
+def _vllm(args: argparse.Namespace, log_dir: Path) -> dict | None:
+    """The vLLM engine's TTFT run, printed; ``None`` (and why) where no engine runs here."""
+    from bench.serve import engine_missing, engine_version
+
+    missing = engine_missing()
+    if missing:
+        print(f"vllm: skipped: {missing}")
+        return None
+    fig = cluster_vllm.run(args.vllm_peers, args.vllm_rounds, args.vllm_tokens, log_dir)
+    fig["engine"] = engine_version()
+    print(
+        f"vllm: {fig['engine']}, {fig['model']} ({fig['dtype']}), a {fig['prompt_tokens']}-token prefix"
+        f" ({fig['rows_per_prefix']} rows) over {fig['peers']} peers, median of {fig['rounds']} documents:"
+        f" TTFT computed {fig['computed_ttft_s']:.3f} s, from the peers {fig['peers_ttft_s']:.3f} s"
+        f" ({fig['speedup']:.1f}x), device cache {fig['device_cache_ttft_s']:.3f} s;"
+        f" {fig['bytes_from_peer_hosts'] / 1e6:.1f} MB came over the peers' links per prefix"
+    )
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier bench cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
@@ -221,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot", metavar="DIR", help="write the membership timeline to DIR/cluster-membership.png"
     )
+    parser.add_argument(
+        "--vllm-peers", type=int, default=0, help="peers of the vLLM engine's TTFT run (0: skip)"
+    )
+    parser.add_argument("--vllm-rounds", type=int, default=5, help="documents of that run (median)")
+    parser.add_argument("--vllm-tokens", type=int, default=1900, help="tokens per document (1900)")
     args = parser.parse_args(argv)
     reason = probe()
     if reason is not None:
@@ -236,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rows} rows of {args.row_bytes} B per op; every host a network namespace on one bridge "
         f"(UCX over TCP on veth), {os.cpu_count()} cores shared by all, {platform.machine()}"
     )
-    figures: dict = {"throughput": [], "idle": None, "faults": [], "membership": None}
+    figures: dict = {"throughput": [], "idle": None, "faults": [], "membership": None, "vllm": None}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-") as workdir:
         log_dir = Path(workdir)
         if args.hosts:
@@ -301,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if args.plot:
                 print(f"timeline: {cluster_membership.plot(fig, Path(args.plot) / 'cluster-membership.png')}")
+        if args.vllm_peers:
+            figures["vllm"] = _vllm(args, log_dir)
     if args.json:
         write_json(
             args.json,

@@ -12,7 +12,8 @@ writes one); prompts are token ids, and there is no tokenizer.
 
 Commands (``EngineProcess`` methods): ``generate`` (greedy, with the sampled tokens'
 logprobs), ``timed`` (requests arriving on a schedule, with their time to first token),
-``reset_prefix_cache``, ``kvtier_stats``, ``shutdown``.
+``reset_prefix_cache``, ``kvtier_stats``, ``remote_owners`` (which peer holds each block of
+a prompt), ``shutdown``.
 """
 
 from __future__ import annotations
@@ -157,6 +158,12 @@ class EngineProcess:
 
     def kvtier_stats(self) -> dict[str, Any]:
         return self.call({"op": "kvtier_stats"})
+
+    def remote_owners(self, prompt: list[int]) -> dict[str, Any]:
+        """For each full block of ``prompt``: the peer that owns its row now (``owners``, an
+        address or None) and whether the remote tier knows it holds it (``known``); and the
+        peers up (``peers_up``). Needs kvtier with a remote tier."""
+        return self.call({"op": "remote_owners", "prompt": prompt})
 
     def call(self, command: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         self._send(command)
@@ -360,12 +367,38 @@ class _Child:
                 "host_rows": len(manager),
                 "lookups": manager.stats.lookups,
                 "hits": manager.stats.hits,
+                "row_bytes": adapter.row_bytes,
             }
             if manager.lower.tiers:
                 stats["lower"] = dataclasses.asdict(manager.lower.stats)
                 stats["lower_inflight"] = manager.inflight_below()
                 stats["rows_converted_on_landing"] = manager.lower.rows_converted
         return stats
+
+    def remote_owners(self, prompt: list[int]) -> dict[str, Any]:
+        """Where the remote tier would look for each full block of ``prompt``: the keys are
+        the ones vLLM's offloading connector makes (its block hashes, group 0, one block per
+        row), computed by the engine core's own hasher (its hash seed is this process's)."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.kv_offload.base import make_offload_key
+        from vllm.v1.request import Request
+
+        adapter = self.kvtier_manager()
+        if adapter is None or not hasattr(adapter, "manager"):
+            raise ValueError("remote_owners: the engine runs without kvtier")
+        remote = next((t for t in adapter.manager.lower.tiers if t.kind == "remote"), None)
+        if remote is None:
+            raise ValueError("remote_owners: kvtier has no remote tier")
+        hasher = self.engine.engine_core.engine_core.request_block_hasher
+        params = SamplingParams(max_tokens=1)
+        request = Request("kvtier-owners", list(prompt), params, None, block_hasher=hasher)
+        keys = [make_offload_key(block_hash, 0) for block_hash in request.block_hashes]
+        with adapter.lock:
+            return {
+                "owners": [remote.owner(key) for key in keys],
+                "known": [remote.may_contain(key) for key in keys],
+                "peers_up": remote.peers_up(),
+            }
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -429,6 +462,8 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                 answer(child.reset_prefix_cache(command.get("connector", False)))
             elif op == "kvtier_stats":
                 answer(child.kvtier_stats())
+            elif op == "remote_owners":
+                answer(child.remote_owners(command["prompt"]))
             else:
                 answer({"error": f"unknown command {op!r}"})
         except Exception as exc:  # the parent gets the error; the engine stays up when it can

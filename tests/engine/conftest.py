@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from bench.tiny_llama import TinyLlama, write_model
+from tests.cluster.fixtures import make_cluster  # noqa: F401 (a fixture: an engine among simulated hosts)
 
 
 def _cpu_engine_missing() -> str | None:
