@@ -21,7 +21,6 @@ import contextlib
 import os
 import random
 import statistics
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,18 +56,6 @@ def _ucx_from_the_peers() -> Iterator[None]:
 def _ttft(engine: Any, prompt: list[int]) -> Any:
     """One request alone, its first token only: the completion, with ``ttft_s``."""
     return engine.timed([{"arrival_s": 0.0, "prompt": prompt, "max_tokens": 1}])["outputs"][0]
-
-
-def _wait_spilled(engine: Any, rows: int) -> None:
-    """Until ``rows`` rows in all went below the host tier and nothing is in flight there."""
-    deadline = time.monotonic() + SPILL_TIMEOUT_S
-    while True:
-        stats = engine.kvtier_stats()
-        if stats["lower"]["spills_done"] >= rows and stats["lower_inflight"] == 0:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"rows not written to the peers in {SPILL_TIMEOUT_S} s: {stats['lower']}")
-        time.sleep(0.1)
 
 
 def run(peers: int, rounds: int, tokens: int, log_dir: Path) -> dict[str, Any]:
@@ -109,7 +96,7 @@ def run(peers: int, rounds: int, tokens: int, log_dir: Path) -> dict[str, Any]:
             engine = EngineProcess(spec, log_dir / "vllm-engine.log")
         with engine:
             _ttft(engine, document(-1, 64))  # warm-up: tokens no round holds
-            _wait_spilled(engine, 0)
+            engine.wait_spilled(0, SPILL_TIMEOUT_S)
             spilled = engine.kvtier_stats()["lower"]["spills_done"]
             per_round: list[dict[str, Any]] = []
             for i in range(rounds):
@@ -117,7 +104,7 @@ def run(peers: int, rounds: int, tokens: int, log_dir: Path) -> dict[str, Any]:
                 computed = _ttft(engine, doc)
                 device = _ttft(engine, doc)
                 spilled += full_blocks
-                _wait_spilled(engine, spilled)
+                engine.wait_spilled(spilled, SPILL_TIMEOUT_S)
                 if not engine.reset_prefix_cache(connector=True):
                     raise RuntimeError("vLLM refused a cache reset")
                 before = sum(cluster.wire_bytes(host)[1] for host in cluster.hosts)

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,17 +70,6 @@ def _engine(model_dir: str, sizes: PDSizes, block: int, peer: dict[str, Any], wo
     return EngineProcess(spec, workdir / "engine.log")
 
 
-def _wait_stored(engine: Any, rows: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = engine.kvtier_stats()
-        if stats["lower"]["spills_done"] >= rows and stats["lower_inflight"] == 0:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"P's rows not at the peer in {timeout_s} s: {stats}")
-        time.sleep(0.1)
-
-
 def run(sizes: PDSizes, seed: int = 0) -> dict[str, Any]:
     """One P/D run: D's TTFT for prompts P stored and for prompts D computes."""
     from bench.serve import Sizes, _peer
@@ -107,7 +95,7 @@ def run(sizes: PDSizes, seed: int = 0) -> dict[str, Any]:
             # A few tokens, not one: vLLM hands a step's stores to the workers at the next step.
             prefill.generate([mine], max_tokens=4)
             spilled += rows_per_prompt
-            _wait_stored(prefill, spilled)
+            prefill.wait_spilled(spilled)
             for kind, prompt in (("stored", mine), ("computed", theirs)):
                 request = {"prompt": prompt, "max_tokens": sizes.max_tokens, "arrival_s": 0.0}
                 (output,) = decode.timed([request])["outputs"]

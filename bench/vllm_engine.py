@@ -159,6 +159,18 @@ class EngineProcess:
     def kvtier_stats(self) -> dict[str, Any]:
         return self.call({"op": "kvtier_stats"})
 
+    def wait_spilled(self, rows: int, timeout_s: float = 60.0) -> None:
+        """Until ``rows`` rows in all went below the host tier and nothing is in flight there
+        (a benchmark's next step must find them at the disk or the peers); ``TimeoutError``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.kvtier_stats()
+            if stats["lower"]["spills_done"] >= rows and stats["lower_inflight"] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{rows} rows not below the host tier in {timeout_s} s: {stats['lower']}")
+            time.sleep(0.1)
+
     def remote_owners(self, prompt: list[int]) -> dict[str, Any]:
         """For each full block of ``prompt``: the peer that owns its row now (``owners``, an
         address or None) and whether the remote tier knows it holds it (``known``); and the
