@@ -313,7 +313,7 @@ def test_new_keys_reach_the_policy_as_runs_with_their_parent(groups):
     assert out.keys_to_store == [k(3), k(4), k(6)]
     runs = m._policies[0].runs
     assert runs[0] == ([k(1), k(2), k(5)], None)  # every key new: one run
-    assert runs[1:] == [([k(3), k(4)], k(2)), ([k(6)], k(5))]
+    assert runs[1:] == [([k(6)], k(5)), ([k(3), k(4)], k(2))]  # tail first, as vLLM orders a request
 
 
 def test_a_host_only_manager_has_no_work_below():
