@@ -3,8 +3,8 @@
 No single simple policy wins everywhere (``kvtier bench policy``): on chat traces whose old
 turns never come back plain LRU beats ARC; on agentic and production traces at small hosts
 the original ARC (a key back from a ghost list enters the frequency list) beats LRU by a
-quarter; on long-document QA vLLM's ARC variant (a key back from a ghost list re-enters the
-recency list) beats both. This policy keeps the three orders over the same resident keys
+quarter; on some long-document QA traces vLLM's ARC variant (a key back from a ghost list
+re-enters the recency list) beats both. This policy keeps the three orders over the same resident keys
 and evicts by the one that is doing better now.
 
 One set of lists serves all three. Every resident key sits in exactly one of
@@ -220,10 +220,12 @@ class AdaptivePolicy(EvictionPolicy):
     def on_miss(self, keys: Sequence[Key]) -> None:
         """vLLM's ARC moves its target for a store's ghosts before the store evicts (as
         ``VLLMARCPolicy.on_miss``)."""
+        if self._told:
+            self._told = set()  # one store's ghosts: a store that was refused counts again
         v1, v2 = self._v1, self._v2
         if (not v1 or v1.keys().isdisjoint(keys)) and (not v2 or v2.keys().isdisjoint(keys)):
             return
-        told = self._told = set()  # one store's ghosts (a store that failed counts again)
+        told = self._told
         for i in range(len(keys) - 1, -1, -1):
             key = keys[i]
             if key not in told and (key in v1 or key in v2):

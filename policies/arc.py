@@ -147,10 +147,10 @@ class VLLMARCPolicy(ARCPolicy):
       host tier calls as vLLM's manager calls its policy's ``on_store_miss``); an owner that
       does not call it gets the move at ``on_insert``, after its eviction.
 
-    On long-document QA shapes it is ahead of the paper's ARC (``kvtier bench policy``'s
-    scheduler table), so an adaptive policy that is to be at least vLLM's ``arc``
-    everywhere needs it as an expert; driven as vLLM drives a manager it makes vLLM's
-    ``arc``'s decisions but where the two managers order a request's uses differently.
+    On some long-document QA traces (the wide variant, another seed) it is ahead of both
+    the paper's ARC and LRU (docs/policies.md), so an adaptive policy that is to be at least
+    vLLM's ``arc`` everywhere needs it as an expert. Driven as vLLM drives a manager it
+    holds what vLLM's ``arc`` holds after every request (``tests/policies/test_arc_vllm.py``).
     """
 
     name = "arc-vllm"
@@ -167,10 +167,12 @@ class VLLMARCPolicy(ARCPolicy):
             self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
 
     def on_miss(self, keys: Sequence[Key]) -> None:
+        if self._told:
+            self._told = set()  # one store's ghosts: a store that was refused counts again
         b1, b2 = self._b1, self._b2
         if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
             return
-        told = self._told = set()  # one store's ghosts (a store that failed counts again)
+        told = self._told
         for i in range(len(keys) - 1, -1, -1):  # tail first, as vLLM's on_store_miss
             key = keys[i]
             if key in told:
