@@ -217,6 +217,7 @@ class HostTierManager:
         # Per abandoned promotion (op id): the (group, slot)s its tier may still write.
         self._quarantined: dict[int, list[tuple[int, int]]] = {}
         self._policies = [make_policy(slots_per_group) for _ in range(num_groups)]
+        self._miss_hooks = any(policy.overrides_on_miss() for policy in self._policies)
         self._events = _Events()
         self.stats = ManagerStats()
         self._lock = threading.RLock()
@@ -227,6 +228,7 @@ class HostTierManager:
         self._step_hits_max = max(STEP_HITS_MIN, int(num_groups * slots_per_group * STEP_HITS_MAX_SHARE))
         self._warned_step_hits = False
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
+        self._last_touched: Sequence[OffloadKey] = ()  # this step's last loaded keys
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
         self._lookup_host: Callable[[OffloadKey], Lookup] = self._host_lookup(_HIT, _MISS, _PENDING)
         if not self.lower.tiers:
@@ -340,6 +342,7 @@ class HostTierManager:
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         rows = self._rows
+        self._last_touched = keys
         if self.num_groups == 1:
             on_access = self._policies[0].on_access
             for key in reversed(keys):
@@ -386,10 +389,10 @@ class HostTierManager:
                 self._group(key)  # raises the error that names the key
             wanted[group] += 1
         evicted = self._room_for(new_keys, wanted, keys)
-        if evicted is None:
-            return None
         if len(new_keys) < len(keys):
             self._touch_offered_again(keys)
+        if evicted is None:
+            return None
 
         free_slots = [
             iter(self._allocators[group].allocate(count) or ()) if count else iter(())
@@ -401,7 +404,7 @@ class HostTierManager:
             slot = next(free_slots[group])  # make_room left enough free slots
             rows[key] = _Row(group, slot)
             slots.append(slot)
-        for group, run, parent in _new_runs(keys, group_of):
+        for group, run, parent in reversed(_new_runs(keys, group_of)):  # the last run first
             self._policies[group].on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
         return new_keys, slots, evicted
@@ -418,10 +421,10 @@ class HostTierManager:
                 if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
                     self._group(key)  # raises the error that names the key
         evicted = self._room_for(new_keys, [len(new_keys)], keys)
-        if evicted is None:
-            return None
         if len(new_keys) < len(keys):
             self._touch_offered_again(keys)
+        if evicted is None:
+            return None
         slots = self._allocators[0].allocate(len(new_keys)) if new_keys else []
         assert slots is not None, "eviction freed too few slots"
         rows = self._rows
@@ -434,22 +437,32 @@ class HostTierManager:
         elif (start := _single_run_start(keys, new_keys)) is not None:
             policy.on_insert_run(new_keys, keys[start - 1])
         elif new_keys:
-            for _, run, parent in _new_runs(keys, dict.fromkeys(new_keys, 0)):
+            # the last run first: a store tail first, as vLLM renews a request's uses
+            for _, run, parent in reversed(_new_runs(keys, dict.fromkeys(new_keys, 0))):
                 policy.on_insert_run(run, parent)
         self._write_back(extra=len(new_keys))
         return new_keys, slots, evicted
 
     def _touch_offered_again(self, keys: Sequence[OffloadKey]) -> None:
-        """Readable rows offered to ``prepare_store`` again are used again (``touch``, once the
-        store is sure to go ahead, before its new rows are in). vLLM's manager
-        counts them so (its ``ready_existing_keys``); uncounted, the prefix of a prompt that
-        the device cache serves, which vLLM offers whole when nothing was loaded, aged in the
-        host tier: on ``kvtier bench policy``'s scheduler table ``lru`` was 0.1-1.9% under
-        vLLM ``lru`` (5% hosts), counted within 0.1% but long-doc QA 5% (-0.5%)."""
+        """Readable rows offered to ``prepare_store`` again are used again (``touch``, after
+        the store's eviction, or its refusal, and before its new rows are in). vLLM's manager
+        counts them so (its ``ready_existing_keys``, whether the store goes ahead or not);
+        uncounted, the prefix of a prompt that the device cache serves, which vLLM offers
+        whole when nothing was loaded, aged in the host tier: on ``kvtier bench policy``'s
+        scheduler table ``lru`` was 0.1-1.9% under vLLM ``lru`` (5% hosts), counted within
+        0.1% but long-doc QA 5% (-0.5%).
+
+        The rows this step last loaded are touched again after them: vLLM renews a request's
+        uses when it finishes, tail first, so the loaded prefix ends more recent than rows
+        offered again after it (``arc-vllm`` then holds what vLLM's ``arc`` holds, request by
+        request: ``tests/policies/test_arc_vllm.py``)."""
         rows = self._rows
         again = [key for key in keys if (row := rows.get(key)) is not None and row.ready]
         if again:
+            loaded = self._last_touched
             self.touch(again)
+            if loaded:
+                self.touch(loaded)
 
     def _room_for(
         self, new_keys: list[OffloadKey], wanted: list[int], keys: Sequence[OffloadKey]
@@ -458,10 +471,25 @@ class HostTierManager:
         ``wanted[group]`` free slots (never a key of ``keys``): the victims, or ``None``
         (a rejected store, counted) and no change."""
         self.lower.computed(new_keys)
+        if new_keys and self._miss_hooks:
+            self._tell_misses(new_keys)
         evicted = self._make_room(wanted, protected=keys)
         if evicted is None:
             self.stats.rejected_stores += 1
         return evicted
+
+    def _tell_misses(self, new_keys: list[OffloadKey]) -> None:
+        """``on_miss`` of the policies that learn from a miss before their eviction (vLLM's
+        ARC variant), each with its group's keys in order."""
+        if self.num_groups == 1:
+            self._policies[0].on_miss(new_keys)
+            return
+        by_group: dict[int, list[OffloadKey]] = {}
+        for key in new_keys:
+            by_group.setdefault(self._group(key), []).append(key)
+        for group, group_keys in by_group.items():
+            if self._policies[group].overrides_on_miss():
+                self._policies[group].on_miss(group_keys)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         self.poll()
@@ -502,6 +530,7 @@ class HostTierManager:
         (a store, a promotion) evicts that row, or the load would find it gone.
         """
         self._step_hits.clear()
+        self._last_touched = ()
         self._last_lookup.clear()
         self.poll()
 
@@ -547,6 +576,7 @@ class HostTierManager:
             return False
         self._drop_many(list(self._rows))  # every row is readable here
         self._policies = [self._make_policy(self.slots_per_group) for _ in range(self.num_groups)]
+        self._miss_hooks = any(policy.overrides_on_miss() for policy in self._policies)
         self.lower.forget_failures()  # every key may be promoted again
         return True
 

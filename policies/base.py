@@ -16,6 +16,10 @@ Call contract (one thread; the owner serialises calls):
   default inserts them tail first, so a policy that orders by insertion evicts the deep end
   of a chain before its head (vLLM's LRU does the same with per-request ranks); a policy
   that needs depth (cost-aware) sees the whole run at once.
+- ``on_miss(keys)``, optionally, when the owner is about to store ``keys`` (none resident)
+  and before it evicts to make room for them: a policy that learns from misses (vLLM's
+  ARC variant moves its target for ghosts) learns before choosing this store's victims.
+  ``on_insert`` / ``on_insert_run`` of the same keys follow if the store goes ahead.
 - ``on_access(key)`` on every hit of a resident key. The hits of one request are reported
   tail first, for the same reason as ``on_insert_run``.
 - ``on_remove(key)`` when the owner drops a resident key for a reason of its own (the
@@ -87,6 +91,14 @@ class EvictionPolicy(ABC):
         for i in range(len(keys) - 1, -1, -1):
             self.on_insert(keys[i], keys[i - 1] if i else parent)
 
+    def on_miss(self, keys: Sequence[Key]) -> None:
+        """``keys`` are about to be stored (none is resident), before the eviction for them.
+
+        Most policies learn at ``on_insert`` and leave this empty (the host tier does not
+        call it for them: ``overrides_on_miss``).
+        """
+        del keys  # nothing to learn before the eviction
+
     @abstractmethod
     def on_access(self, key: Key) -> None:
         """Record a hit on a resident ``key``."""
@@ -108,6 +120,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Key]:
         """Resident keys, from the next to be evicted to the last (where the policy has an order)."""
+
+    def overrides_on_miss(self) -> bool:
+        """Whether ``on_miss`` does anything (owners skip the call when it does not)."""
+        return type(self).on_miss is not EvictionPolicy.on_miss
 
     def clear(self) -> None:
         """Forget every key, ghosts included."""

@@ -94,6 +94,12 @@ class PrefixAware(EvictionPolicy):
                 for _ in range(uses):
                     self.inner.on_access(key)
 
+    def on_miss(self, keys: Sequence[Key]) -> None:
+        self.inner.on_miss(keys)
+
+    def overrides_on_miss(self) -> bool:
+        return self.inner.overrides_on_miss()
+
     def on_access(self, key: Key) -> None:
         self.inner.on_access(key)
         if key in self._parent:

@@ -4,8 +4,9 @@
 alpha=0.5)``. Every failure is a ``ValueError`` that names the policy and what is wrong, so
 the configuration layer can report the key and value at fault.
 
-Built-in names: ``lru``, ``adaptive`` (LRU or ARC, whichever sampled shadows of both
-say is winning now), ``slru``, ``arc``, ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
+Built-in names: ``lru``, ``adaptive`` (LRU, ARC or vLLM's ARC, whichever sampled shadows
+of the three say is winning now), ``slru``, ``arc``, ``arc-vllm`` (ARC as vLLM's ``arc``
+runs it), ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
 ``tinylfu-adaptive`` (its window sized by hill climbing, as in Caffeine), ``cost`` (alias
 ``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself), ``hazard`` (hit
 density learned from the whole key stream, ghosts included; prefix-aware by itself). Any
@@ -24,7 +25,7 @@ from typing import Any
 
 from policies.adaptive import AdaptivePolicy
 from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
-from policies.arc import ARCPolicy
+from policies.arc import ARCPolicy, VLLMARCPolicy
 from policies.base import EvictionPolicy
 from policies.cost_aware import CostAwarePolicy
 from policies.hazard import ReuseHazardPolicy
@@ -40,6 +41,7 @@ _CLASSES = (
     AdaptivePolicy,
     SLRUPolicy,
     ARCPolicy,
+    VLLMARCPolicy,
     S3FIFOPolicy,
     TinyLFUPolicy,
     AdaptiveTinyLFUPolicy,

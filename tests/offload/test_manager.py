@@ -313,7 +313,30 @@ def test_new_keys_reach_the_policy_as_runs_with_their_parent(groups):
     assert out.keys_to_store == [k(3), k(4), k(6)]
     runs = m._policies[0].runs
     assert runs[0] == ([k(1), k(2), k(5)], None)  # every key new: one run
-    assert runs[1:] == [([k(3), k(4)], k(2)), ([k(6)], k(5))]
+    assert runs[1:] == [([k(6)], k(5)), ([k(3), k(4)], k(2))]  # tail first, as vLLM orders a request
+
+
+class MissRecorder(LRUPolicy):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.told: list[tuple[list[bytes], int]] = []
+
+    def on_miss(self, keys):
+        self.told.append((list(keys), len(self)))  # before the eviction: what it holds then
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_policy_hears_of_a_stores_misses_before_its_eviction(groups):
+    m = HostTierManager(groups, 3, MissRecorder)
+    stored(m, 1, 2)
+    keys = [k(3), k(1), k(4, group=groups - 1)]
+    assert m.prepare_store(keys) is not None
+    told = [(g, entry) for g, policy in enumerate(m._policies) for entry in policy.told]
+    if groups == 1:
+        assert told == [(0, ([k(1), k(2)], 0)), (0, ([k(3), k(4)], 2))]
+    else:
+        assert told == [(0, ([k(1), k(2)], 0)), (0, ([k(3)], 2)), (1, ([k(4, 1)], 0))]
+    assert not HostTierManager(1, 2, LRUPolicy)._miss_hooks  # nobody listens: no call
 
 
 def test_a_host_only_manager_has_no_work_below():

@@ -1,4 +1,4 @@
-"""The adaptive policy: LRU or ARC as its sampled shadows say, both orders kept exact."""
+"""The adaptive policy: LRU, ARC or vLLM's ARC as its sampled shadows say, over one set of lists."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from policies.adaptive import AdaptivePolicy
-from policies.arc import ARCPolicy
+from policies.adaptive import ARC, EXPERTS, LRU, VLLM_ARC, AdaptivePolicy
+from policies.arc import ARCPolicy, VLLMARCPolicy
 from policies.lru import LRUPolicy
 from policies.registry import make_policy
 
@@ -47,14 +47,35 @@ def recency_friendly(seed: int) -> list[int]:
 @pytest.mark.parametrize("trace", [scan_heavy, recency_friendly])
 def test_it_follows_the_better_expert(trace) -> None:
     keys = trace(1)
-    scores = {cls: replay(cls(400), keys) for cls in (LRUPolicy, ARCPolicy)}
+    scores = {cls: replay(cls(400), keys) for cls in (LRUPolicy, ARCPolicy, VLLMARCPolicy)}
     adaptive = replay(AdaptivePolicy(400, sample_bits=2), keys)
     assert adaptive >= 0.97 * max(scores.values())
 
 
-def test_lists_agree_after_any_sequence_and_ghosts_stay_bounded() -> None:
+@pytest.mark.parametrize("expert", [LRU, ARC, VLLM_ARC])
+def test_each_expert_alone_makes_its_own_policys_decisions(expert: int) -> None:
+    """With the referee silenced, the shared lists evict exactly as the expert's own class."""
+    own = make_policy(EXPERTS[expert], 300)
+    adaptive = AdaptivePolicy(300)
+    adaptive.expert = expert
+    adaptive._referee = lambda key: None  # type: ignore[method-assign]
+    keys = scan_heavy(2)[:12_000]
+    for key in keys:
+        if key in own:
+            own.on_access(key)
+            adaptive.on_access(key)
+            continue
+        if len(own) >= 300:
+            assert adaptive.evict(3) == own.evict(3)
+        own.on_insert(key)
+        adaptive.on_insert(key)
+    assert set(adaptive) == set(own)
+
+
+def test_lists_stay_disjoint_and_ordered_and_ghosts_bounded() -> None:
     policy = make_policy("adaptive", 64, sample_bits=1)
     rng = random.Random(5)
+    experts = set()
     for step in range(5_000):
         key = rng.randrange(300)
         if key in policy:
@@ -65,10 +86,15 @@ def test_lists_agree_after_any_sequence_and_ghosts_stay_bounded() -> None:
             if len(policy) >= 64:
                 assert policy.evict(1, lambda k: k % 5 != 0) is not None
             policy.on_insert(key)
-        assert set(policy._recency) == set(policy._t1) | set(policy._t2)
-        assert policy.ghost_count() <= 2 * 64
+        a, g, h = policy._a, policy._g, policy._h
+        assert len(a) + len(g) + len(h) == len(set(a) | set(g) | set(h)) == len(policy)
+        for part in (a, g, h):
+            assert list(part.values()) == sorted(part.values())  # each list by last use
+        assert policy.ghost_count() <= 4 * 64
+        experts.add(policy.expert)
+    assert len(experts) > 1  # the referee did switch on this mix
     policy.clear()
-    assert len(policy) == 0 and not policy._recency and policy.use_lru
+    assert len(policy) == 0 and not policy._b1 and not policy._v1 and policy.expert == LRU
 
 
 def test_bad_parameters_are_errors() -> None:
