@@ -39,7 +39,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from policies.arc import ARCPolicy, VLLMARCPolicy
+from policies.arc import ARCPolicy, VLLMARCPolicy, count_store_ghosts, ghost_target
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 from policies.lru import LRUPolicy
 
@@ -222,24 +222,11 @@ class AdaptivePolicy(EvictionPolicy):
         ``VLLMARCPolicy.on_miss``)."""
         if self._told:
             self._told = set()  # one store's ghosts: a store that was refused counts again
-        v1, v2 = self._v1, self._v2
-        if (not v1 or v1.keys().isdisjoint(keys)) and (not v2 or v2.keys().isdisjoint(keys)):
-            return
-        told = self._told
-        for i in range(len(keys) - 1, -1, -1):
-            key = keys[i]
-            if key not in told and (key in v1 or key in v2):
-                self._adapt_vllm(key)
-                (v1 if key in v1 else v2).move_to_end(key)
-                told.add(key)
+        self.p_vllm = count_store_ghosts(keys, self._v1, self._v2, self._told, self.p_vllm, self.capacity)
 
     def _adapt_vllm(self, key: Key) -> None:
         """vLLM's ARC's ghost-hit rule for ``key``, a ghost of ``V1`` or ``V2``."""
-        v1, v2 = self._v1, self._v2
-        if key in v1:
-            self.p_vllm = min(self.p_vllm + max(1.0, len(v2) / len(v1)), float(self.capacity))
-        else:
-            self.p_vllm = max(self.p_vllm - max(1.0, len(v1) / len(v2)), 0.0)
+        self.p_vllm = ghost_target(self.p_vllm, key, self._v1, self._v2, self.capacity)
 
     def _insert_one(self, key: Key) -> None:
         """A new resident key: both ARCs' ghost rules, then ``G`` if the original ARC
@@ -400,18 +387,25 @@ class _ShadowLRU(LRUPolicy):
         return False
 
 
+def _arc_hit(t1: OrderedDict, t2: OrderedDict, key: Key) -> bool:
+    """A shadow ARC's hit, if ``key`` is resident: T1 -> T2, or T2's most recent end."""
+    if key in t2:
+        t2.move_to_end(key)
+        return True
+    if key in t1:
+        del t1[key]
+        t2[key] = None
+        return True
+    return False
+
+
 class _ShadowARC(ARCPolicy):
     """The referee's original ARC: ``request`` makes ARC's decisions in one call per request."""
 
     def request(self, key: Key) -> bool:
         """``on_access`` on a hit; else ``evict(1)`` when full and ``on_insert``. Hit or not."""
         t1, t2 = self._t1, self._t2
-        if key in t2:
-            t2.move_to_end(key)
-            return True
-        if key in t1:
-            del t1[key]
-            t2[key] = None
+        if _arc_hit(t1, t2, key):
             return True
         if len(t1) + len(t2) >= self.capacity:
             # evict(1) with nothing pinned: T1's oldest while |T1| > p, else T2's, else T1's.
@@ -430,12 +424,7 @@ class _ShadowVLLMARC(VLLMARCPolicy):
     def request(self, key: Key) -> bool:
         """A hit: ``on_access``. A miss: move ``p`` for a ghost, ``evict(1)`` when full, insert."""
         t1, t2 = self._t1, self._t2
-        if key in t2:
-            t2.move_to_end(key)
-            return True
-        if key in t1:
-            del t1[key]
-            t2[key] = None
+        if _arc_hit(t1, t2, key):
             return True
         self._adapt(key)  # before the eviction, as vLLM's ``on_store_miss``
         if len(t1) + len(t2) >= self.capacity:

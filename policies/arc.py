@@ -87,8 +87,7 @@ class ARCPolicy(EvictionPolicy):
         # (all-or-nothing), and each list is walked once: O(n + skipped pinned keys).
         t1, t2 = self._t1, self._t2
         t1_iter = iter(t1)
-        # |T1| - k <= p after k keys from T1: the first walk takes ceil(|T1| - p) at most.
-        first = take_evictable(t1_iter, evictable, min(n, max(0, math.ceil(len(t1) - self.p))))
+        first = take_evictable(t1_iter, evictable, min(n, max(0, self._t1_victims_first())))
         from_t2 = take_evictable(t2, evictable, n - len(first))
         last = take_evictable(t1_iter, evictable, n - len(first) - len(from_t2))
         if len(first) + len(from_t2) + len(last) < n:
@@ -103,6 +102,11 @@ class ARCPolicy(EvictionPolicy):
             b2[key] = None
         self._trim_ghosts()
         return first + from_t2 + last
+
+    def _t1_victims_first(self) -> int:
+        """How many victims T1 gives before T2 is asked: |T1| - k <= p after k keys from T1,
+        so ceil(|T1| - p) at most."""
+        return math.ceil(len(self._t1) - self.p)
 
     def _trim_ghosts(self) -> None:
         b1, b2 = self._b1, self._b2
@@ -161,27 +165,12 @@ class VLLMARCPolicy(ARCPolicy):
 
     def _adapt(self, key: Key) -> None:
         """Move ``p`` toward the list ``key``'s ghost came from (vLLM's ghost-hit rule)."""
-        if key in self._b1:
-            self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), float(self.capacity))
-        elif key in self._b2:
-            self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
+        self.p = ghost_target(self.p, key, self._b1, self._b2, self.capacity)
 
     def on_miss(self, keys: Sequence[Key]) -> None:
         if self._told:
             self._told = set()  # one store's ghosts: a store that was refused counts again
-        b1, b2 = self._b1, self._b2
-        if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
-            return
-        told = self._told
-        for i in range(len(keys) - 1, -1, -1):  # tail first, as vLLM's on_store_miss
-            key = keys[i]
-            if key in told:
-                continue
-            ghost = b1 if key in b1 else b2 if key in b2 else None
-            if ghost is not None:
-                self._adapt(key)
-                ghost.move_to_end(key)
-                told.add(key)
+        self.p = count_store_ghosts(keys, self._b1, self._b2, self._told, self.p, self.capacity)
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         if key in self._t1 or key in self._t2:
@@ -215,28 +204,10 @@ class VLLMARCPolicy(ARCPolicy):
             b1.pop(key, None)
             b2.pop(key, None)
 
-    def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
-        if n <= 0:
-            return []
-        # The parent's three walks with vLLM's test: T1 gives victims while
-        # |T1| - k >= int(p), that is |T1| - int(p) + 1 of them at most.
-        t1, t2 = self._t1, self._t2
-        t1_iter = iter(t1)
-        first = take_evictable(t1_iter, evictable, min(n, max(0, len(t1) - int(self.p) + 1)))
-        from_t2 = take_evictable(t2, evictable, n - len(first))
-        last = take_evictable(t1_iter, evictable, n - len(first) - len(from_t2))
-        if len(first) + len(from_t2) + len(last) < n:
-            return None
-        b1, b2 = self._b1, self._b2
-        for part in (first, last):
-            for key in part:
-                del t1[key]
-                b1[key] = None
-        for key in from_t2:
-            del t2[key]
-            b2[key] = None
-        self._trim_ghosts()
-        return first + from_t2 + last
+    def _t1_victims_first(self) -> int:
+        """vLLM's test: T1 gives victims while |T1| - k >= int(p), that is |T1| - int(p) + 1
+        of them at most."""
+        return len(self._t1) - int(self.p) + 1
 
     def _trim_ghosts(self) -> None:
         capacity = self.capacity
@@ -247,3 +218,32 @@ class VLLMARCPolicy(ARCPolicy):
     def clear(self) -> None:
         super().clear()
         self._told.clear()
+
+
+def ghost_target(p: float, key: Key, b1: OrderedDict, b2: OrderedDict, capacity: int) -> float:
+    """ARC's target ``p`` moved toward the ghost list ``key`` is in (as it is if in neither)."""
+    if key in b1:
+        return min(p + max(1.0, len(b2) / len(b1)), float(capacity))
+    if key in b2:
+        return max(p - max(1.0, len(b1) / len(b2)), 0.0)
+    return p
+
+
+def count_store_ghosts(
+    keys: Sequence[Key], b1: OrderedDict, b2: OrderedDict, told: set[Key], p: float, capacity: int
+) -> float:
+    """vLLM's ``on_store_miss``: each of a store's keys found in a ghost list, tail first and
+    once until the store is over (``told``, which it fills), moves ``p`` toward its list and
+    becomes that list's most recent ghost; the target after them all."""
+    if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
+        return p
+    for i in range(len(keys) - 1, -1, -1):
+        key = keys[i]
+        if key in told:
+            continue
+        ghost = b1 if key in b1 else b2 if key in b2 else None
+        if ghost is not None:
+            p = ghost_target(p, key, b1, b2, capacity)
+            ghost.move_to_end(key)
+            told.add(key)
+    return p
