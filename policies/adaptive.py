@@ -399,6 +399,17 @@ def _arc_hit(t1: OrderedDict, t2: OrderedDict, key: Key) -> bool:
     return False
 
 
+def _evict_one(shadow: ARCPolicy) -> None:
+    """A full shadow's ``evict(1)`` with nothing pinned: T1's oldest while its ARC's test lets
+    T1 give a victim (``_t1_victims_first``), else T2's, else T1's."""
+    t1, t2 = shadow._t1, shadow._t2
+    if t1 and (shadow._t1_victims_first() > 0 or not t2):
+        shadow._b1[t1.popitem(last=False)[0]] = None
+    else:
+        shadow._b2[t2.popitem(last=False)[0]] = None
+    shadow._trim_ghosts()
+
+
 class _ShadowARC(ARCPolicy):
     """The referee's original ARC: ``request`` makes ARC's decisions in one call per request."""
 
@@ -408,12 +419,7 @@ class _ShadowARC(ARCPolicy):
         if _arc_hit(t1, t2, key):
             return True
         if len(t1) + len(t2) >= self.capacity:
-            # evict(1) with nothing pinned: T1's oldest while |T1| > p, else T2's, else T1's.
-            if t1 and (len(t1) > self.p or not t2):
-                self._b1[t1.popitem(last=False)[0]] = None
-            else:
-                self._b2[t2.popitem(last=False)[0]] = None
-            self._trim_ghosts()
+            _evict_one(self)
         self.on_insert(key)
         return False
 
@@ -428,12 +434,7 @@ class _ShadowVLLMARC(VLLMARCPolicy):
             return True
         self._adapt(key)  # before the eviction, as vLLM's ``on_store_miss``
         if len(t1) + len(t2) >= self.capacity:
-            # evict(1) with nothing pinned: T1's oldest while |T1| >= int(p), else T2's, else T1's.
-            if t1 and (len(t1) >= int(self.p) or not t2):
-                self._b1[t1.popitem(last=False)[0]] = None
-            else:
-                self._b2[t2.popitem(last=False)[0]] = None
-            self._trim_ghosts()
+            _evict_one(self)
         t1[key] = None
         self._b1.pop(key, None)
         self._b2.pop(key, None)
