@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.traces import Request
-from bench.vllm_baseline import BLOCK_TOKENS, offload_key
+from bench.vllm_baseline import offload_key, request_context
 
 
 @dataclass(frozen=True)
@@ -162,19 +162,17 @@ def kvtier_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: i
 
 def vllm_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str) -> Job:
     """vLLM's ``CPUOffloadingManager`` with its policy ``policy`` ("lru" or "arc")."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult
 
     from bench.vllm_baseline import make_manager
 
     requests = key_lists(trace, device_hits)
 
     def prepare() -> Any:
-        contexts = []
-        for r, (request, d) in enumerate(zip(requests, device_hits, strict=True)):
-            ctx = ReqContext(req_id=str(r))
-            for p, key in enumerate(request):
-                ctx.set_offload_key_position(key, (d + p + 1) * BLOCK_TOKENS)
-            contexts.append(ctx)
+        contexts = [
+            request_context(r, request, d)
+            for r, (request, d) in enumerate(zip(requests, device_hits, strict=True))
+        ]
         return make_manager(capacity, policy), contexts
 
     def run(state: Any) -> tuple[int, int]:

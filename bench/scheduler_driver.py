@@ -33,7 +33,7 @@ from typing import Any
 
 from bench.manager_throughput import key_lists
 from bench.traces import Request
-from bench.vllm_baseline import BLOCK_TOKENS
+from bench.vllm_baseline import BLOCK_TOKENS, request_context
 
 ROW_BYTES = 64
 """Bytes per block the spec is told (``worker_kv_bytes_per_block``): the smallest row, so a
@@ -109,19 +109,13 @@ def vllm_api_job(
     close: Callable[[Any], None],
 ) -> Job:
     """A manager with vLLM's ``OffloadingManager`` interface (vLLM's own, or kvtier's adapter)."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
 
     requests = key_lists(trace)
     end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
     def prepare() -> Any:
-        contexts = []
-        for r, keys in enumerate(requests):
-            ctx = ReqContext(req_id=str(r))
-            for p, key in enumerate(keys):
-                ctx.set_offload_key_position(key, (p + 1) * BLOCK_TOKENS)
-            contexts.append(ctx)
-        return make(), contexts
+        return make(), [request_context(r, keys) for r, keys in enumerate(requests)]
 
     def run(state: Any) -> tuple[int, int]:
         manager, contexts = state

@@ -61,6 +61,11 @@ class _Tokens:
         return [self.rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
 
+def document(seed: int, length: int) -> list[int]:
+    """A prompt of ``length`` random token ids (a "document"), the same for the same seed."""
+    return _Tokens(seed).new(length)
+
+
 def _closed_loop(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": max_tokens, "arrival_s": 0.0, "after_finish": True}
 

@@ -45,6 +45,18 @@ def offload_key(block: int) -> bytes:
     return block.to_bytes(8, "big") + (0).to_bytes(4, "big")
 
 
+def request_context(request: int, keys: Sequence[bytes], first_block: int = 0) -> Any:
+    """vLLM's ``ReqContext`` for request number ``request`` whose ``keys`` are its blocks from
+    block ``first_block`` on, each key's position set to the token its block ends at (as the
+    connector sets them; vLLM's LRU and ARC order a request's keys by it)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id=str(request))
+    for block, key in enumerate(keys, first_block + 1):
+        ctx.set_offload_key_position(key, block * BLOCK_TOKENS)
+    return ctx
+
+
 def make_manager(capacity: int, policy: str) -> Any:
     """A ``CPUOffloadingManager`` of ``capacity`` chunks with vLLM's policy ``policy``."""
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -71,7 +83,7 @@ def replay_vllm(
 ) -> tuple[list[int], int]:
     """Each request's blocks served by vLLM's manager (after its ``device_hits``), and the
     blocks it stored in all: what ``simulate_vllm`` sums and ``bench.e2e`` turns into tokens."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult
 
     manager = make_manager(capacity, policy)
     keys_of: dict[int, bytes] = {}
@@ -79,9 +91,7 @@ def replay_vllm(
     stores = 0
     for r, (request, d) in enumerate(zip(trace, device_hits, strict=True)):
         keys = [keys_of.get(k) or keys_of.setdefault(k, offload_key(k)) for k in request.keys]
-        ctx = ReqContext(req_id=str(r))
-        for p, key in enumerate(keys):
-            ctx.set_offload_key_position(key, (p + 1) * BLOCK_TOKENS)
+        ctx = request_context(r, keys)
         manager.on_new_request(ctx)
         h = 0
         for key in keys[d:]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.serve_workloads import document  # noqa: F401 (the tests' prompts, imported from here)
 from bench.tiny_llama import TinyLlama, write_model
 from tests.cluster.fixtures import make_cluster  # noqa: F401 (a fixture: an engine among simulated hosts)
 
@@ -56,12 +56,6 @@ def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The same model with every other layer attending only ``SLIDING_WINDOW`` tokens back:
     vLLM gives it two KV-cache groups (full attention, sliding window)."""
     return str(write_model(tmp_path_factory.mktemp("models"), TinyLlama(sliding_window=SLIDING_WINDOW)))
-
-
-def document(seed: int, length: int) -> list[int]:
-    """A prompt of ``length`` random token ids (a "document"), the same for the same seed."""
-    rng = random.Random(seed)
-    return [rng.randrange(100, 30000) for _ in range(length)]
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from bench import traces
 from bench.manager_throughput import key_lists
 from bench.simulate import device_prefix_hits
-from bench.vllm_baseline import BLOCK_TOKENS, make_manager, vllm_version
+from bench.vllm_baseline import make_manager, request_context, vllm_version
 from offload.manager import HostTierManager, Lookup
 from policies.arc import ARCPolicy, VLLMARCPolicy
 from policies.registry import make_policy
@@ -22,16 +22,14 @@ def resident_sets_in_lockstep(
     ``policy``, driven request by request as vLLM's scheduler drives a manager
     (``bench.scheduler_driver``): after each request, (vLLM's resident keys, kvtier's); a
     lookup answered differently ends the list with a pair that differs."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult
 
     device = device_prefix_hits(trace, 10)
     vllm: Any = make_manager(capacity, "arc")
     kvtier = HostTierManager(1, capacity, lambda rows: make_policy(policy, rows))
     out = []
     for r, (keys, d) in enumerate(zip(key_lists(trace), device, strict=True)):
-        ctx = ReqContext(req_id=str(r))
-        for p, key in enumerate(keys):
-            ctx.set_offload_key_position(key, (p + 1) * BLOCK_TOKENS)
+        ctx = request_context(r, keys)
         vllm.on_new_request(ctx)
         h = 0
         for key in keys[d:]:
