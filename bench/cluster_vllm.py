@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.cluster_net import Cluster
+from bench.serve_workloads import document
+from tiers.remote import net_iface
 
 BLOCK = 32
 DEVICE_BLOCKS = 80  # 2,560 tokens: one document and a little more
@@ -35,18 +36,12 @@ DEADLINE_S = 1.0
 SPILL_TIMEOUT_S = 60.0
 
 
-def document(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 30000) for _ in range(length)]
-
-
 @contextlib.contextmanager
 def _ucx_from_the_peers() -> Iterator[None]:
-    """Without this process's UCX_NET_DEVICES/UCX_TLS/UCX_TCP_BRIDGE_ENABLE while the engine
-    starts (it inherits the environment): kvtier sets them from the peers' addresses, as on a
+    """Without this process's UCX variables of ``net_iface.VARIABLES`` while the engine starts
+    (it inherits the environment): kvtier sets them from the peers' addresses, as on a
     machine of its own, and a value meant for this machine would win."""
-    names = ("UCX_NET_DEVICES", "UCX_TLS", "UCX_TCP_BRIDGE_ENABLE")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    saved = {name: os.environ.pop(name) for name in net_iface.VARIABLES if name in os.environ}
     try:
         yield
     finally:
