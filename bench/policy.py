@@ -111,9 +111,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--drive-policies",
-        default=f"{DEFAULT_POLICY},arc,adaptive",
+        default=",".join(dict.fromkeys(("lru", "arc", DEFAULT_POLICY))),
         help="kvtier policies driven directly and through vLLM's factory, beside vLLM lru/arc "
-        "('all': --policies) (default: the default policy, arc, adaptive)",
+        f"('all': --policies) (default: lru, arc and the default policy, {DEFAULT_POLICY})",
     )
     parser.add_argument(
         "--drive-traces", default=",".join(DRIVE_TRACES), help="traces of the scheduler table (of --traces)"

@@ -9,14 +9,14 @@
     [[tiers]]                # in order, fastest first; the first is the host tier
     kind = "host"
     capacity = "8GiB"
-    eviction = "lru"         # or "arc", "s3fifo", ..., or "my_pkg.mod:MyPolicy"
+    eviction = "adaptive"    # the default; or "lru", "arc", ..., or "my_pkg.mod:MyPolicy"
     eviction_params = {}     # keyword arguments of the policy
 
     [[tiers]]
     kind = "disk"
     path = "/var/cache/kvtier"
     capacity = "200GiB"
-    eviction = "lru"
+    eviction = "lru"         # the default below the host tier
     placement = "write-back" # or "write-through"
     admission = "seen-twice" # or "all"
     promotion = true         # copy a row found here up into the host tier on a hit
@@ -62,6 +62,7 @@ from typing import Any
 
 from policies import make_policy
 from policies.placement import ADMISSIONS, PLACEMENTS
+from policies.registry import DEFAULT_POLICY, LOWER_TIER_POLICY
 from tiers import sizes
 from tiers.address import Address
 from tiers.remote.protocol import valid_tenant
@@ -208,7 +209,8 @@ def parse_tier(raw: Any, where: str) -> TierSettings:
     if "capacity" not in raw:
         raise ConfigError(f"{where}.capacity is missing: give a size such as '8GiB'")
     common: dict[str, Any] = {"capacity_bytes": parse_size(raw["capacity"], f"{where}.capacity")}
-    common["eviction"] = eviction = _string(raw, "eviction", f"{where}.", "lru")
+    default = DEFAULT_POLICY if kind == "host" else LOWER_TIER_POLICY
+    common["eviction"] = eviction = _string(raw, "eviction", f"{where}.", default)
     params = raw.get("eviction_params", {})
     if not isinstance(params, Mapping):
         raise ConfigError(f"{where}.eviction_params = {params!r}: expected a table of policy arguments")

@@ -152,9 +152,9 @@ class VLLMARCPolicy(ARCPolicy):
       does not call it gets the move at ``on_insert``, after its eviction.
 
     On some long-document QA traces (the wide variant, another seed) it is ahead of both
-    the paper's ARC and LRU (docs/policies.md), so an adaptive policy that is to be at least
-    vLLM's ``arc`` everywhere needs it as an expert. Driven as vLLM drives a manager it
-    holds what vLLM's ``arc`` holds after every request (``tests/policies/test_arc_vllm.py``).
+    the paper's ARC and LRU (docs/policies.md). Driven as vLLM drives a manager it holds
+    what vLLM's ``arc`` holds after every request (``tests/policies/test_arc_vllm.py``):
+    the benchmark's stand-in for vLLM's own, and a policy of its own.
     """
 
     name = "arc-vllm"

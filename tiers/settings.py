@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from policies.registry import DEFAULT_POLICY, LOWER_TIER_POLICY
 from tiers.address import Address
 
 DEFAULT_DEADLINE_S = 2.0
@@ -28,15 +29,17 @@ class TierSettings:
 
     kind: ClassVar[str] = ""
     capacity_bytes: int
-    eviction: str = "lru"
+    eviction: str = LOWER_TIER_POLICY
     eviction_params: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HostSettings(TierSettings):
-    """The host tier (the first): size and eviction only."""
+    """The host tier (the first): size and eviction only (``adaptive`` unless named:
+    ``policies.registry.DEFAULT_POLICY``)."""
 
     kind: ClassVar[str] = "host"
+    eviction: str = DEFAULT_POLICY
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -195,7 +195,14 @@ def test_a_gain_over_vllm_that_even_opt_misses_is_flagged_out_of_reach() -> None
 def test_the_scheduler_table_drives_the_policy_directly_and_through_vllm(tmp_path, capsys) -> None:
     out = tmp_path / "drive.json"
     argv = ["--traces", "real-late", "--trace-fraction", "0.2", "--policies", "lru", "--jobs", "1"]
-    argv += ["--drive-policies", "lru", "--drive-traces", "real-late", "--drive-host-fractions", "0.1,0.2"]
+    argv += [
+        "--drive-policies",
+        "lru,adaptive",
+        "--drive-traces",
+        "real-late",
+        "--drive-host-fractions",
+        "0.1,0.2",
+    ]
     assert main([*argv, "--rounds", "2", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     small, large = figures["drive"]["real-late"]

@@ -50,9 +50,11 @@ def test_full_file_parses(tmp_path):
 
 
 def test_dict_form_is_the_same_as_the_file():
-    config = load_config({"tiers": [{"kind": "host", "capacity": 1024}]})
+    config = load_config(
+        {"tiers": [{"kind": "host", "capacity": 1024}, {"kind": "disk", "path": "/tmp/x", "capacity": 1024}]}
+    )
     assert config.host.capacity_bytes == 1024
-    assert config.host.eviction == "lru"
+    assert (config.host.eviction, config.tiers[1].eviction) == ("adaptive", "lru")  # the defaults
 
 
 @pytest.mark.parametrize(
@@ -86,7 +88,7 @@ def test_sizes(value, expected):
         ),
         (
             [{"kind": "host", "capacity": "1GiB", "eviction_params": {"nope": 1}}],
-            r"tiers\[0\]\.eviction = 'lru': .*bad parameters",
+            r"tiers\[0\]\.eviction = 'adaptive': .*bad parameters",
         ),
         (
             [{"kind": "disk", "capacity": "1GiB", "path": "/x"}],

@@ -1,4 +1,4 @@
-"""The adaptive policy: LRU, ARC or vLLM's ARC as its sampled shadows say, over one set of lists."""
+"""The adaptive policy: LRU or ARC as its sampled shadows say, each in its own lists."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from policies.adaptive import ARC, EXPERTS, LRU, VLLM_ARC, AdaptivePolicy
-from policies.arc import ARCPolicy, VLLMARCPolicy
+from policies.adaptive import ARC, LRU, AdaptivePolicy
+from policies.arc import ARCPolicy
 from policies.lru import LRUPolicy
 from policies.registry import make_policy
 
@@ -47,37 +47,76 @@ def recency_friendly(seed: int) -> list[int]:
 @pytest.mark.parametrize("trace", [scan_heavy, recency_friendly])
 def test_it_follows_the_better_expert(trace) -> None:
     keys = trace(1)
-    scores = {cls: replay(cls(400), keys) for cls in (LRUPolicy, ARCPolicy, VLLMARCPolicy)}
+    scores = {cls: replay(cls(400), keys) for cls in (LRUPolicy, ARCPolicy)}
     adaptive = replay(AdaptivePolicy(400, sample_bits=2), keys)
     assert adaptive >= 0.97 * max(scores.values())
 
 
-@pytest.mark.parametrize("expert", [LRU, ARC, VLLM_ARC])
-def test_each_expert_alone_makes_its_own_policys_decisions(expert: int) -> None:
-    """With the referee silenced, the shared lists evict exactly as the expert's own class."""
-    own = make_policy(EXPERTS[expert], 300)
+def test_under_lru_it_makes_lrus_decisions() -> None:
+    """With the referee silenced, the live list evicts exactly as ``LRUPolicy``, whole
+    stores and pinned keys included."""
+    own = LRUPolicy(300)
     adaptive = AdaptivePolicy(300)
-    adaptive.expert = expert
     adaptive._referee = lambda key: None  # type: ignore[method-assign]
     keys = scan_heavy(2)[:12_000]
-    for key in keys:
-        if key in own:
-            own.on_access(key)
-            adaptive.on_access(key)
-            continue
-        if len(own) >= 300:
-            assert adaptive.evict(3) == own.evict(3)
-        own.on_insert(key)
-        adaptive.on_insert(key)
-    assert set(adaptive) == set(own)
+    pinned = lambda key: key % 7 != 0  # noqa: E731
+    for i in range(0, len(keys), 3):
+        run = [key for key in dict.fromkeys(keys[i : i + 3]) if key not in own]
+        for key in keys[i : i + 3]:
+            if key in own:
+                own.on_access(key)
+                adaptive.on_access(key)
+        if len(own) + len(run) > 300:
+            assert adaptive.evict(len(run), pinned) == own.evict(len(run), pinned)
+        own.on_insert_run(run)
+        adaptive.on_insert_run(run)
+    assert list(adaptive) == list(own)
+
+
+def test_under_arc_victims_follow_arcs_rule_and_ghosts_move_p() -> None:
+    """ARC's rule on the live lists: T1's oldest while |T1| > p, else T2's oldest; a key
+    back from T1's ghosts enters T2 and raises p, one back from T2's lowers it."""
+    policy = AdaptivePolicy(4)
+    policy._referee = lambda key: None  # type: ignore[method-assign]
+    policy._take_over(ARC)
+    for key in (1, 2, 3, 4):
+        policy.on_insert(key)
+    policy.on_access(3)
+    policy.on_access(4)  # T1 = [1, 2], T2 = [3, 4], p = 0
+    assert policy.evict(1) == [1]  # |T1| = 2 > p: T1's oldest
+    policy.on_insert(1)  # back from T1's ghosts: T2, p up
+    assert list(policy._t2) == [3, 4, 1] and policy.p >= 1
+    p = policy.p
+    policy.p = 0.5
+    assert policy.evict(1) == [2]  # |T1| = 1 > 0.5
+    assert policy.evict(1) == [3]  # T1 empty: T2's oldest
+    policy.on_insert(3)  # back from T2's ghosts: p down
+    assert policy.p < 0.5 and 3 in policy._t2
+    assert p != policy.p
+
+
+def test_a_switch_keeps_every_key_and_the_order_of_last_use() -> None:
+    """LRU -> ARC -> LRU rebuilds the lists; nothing is lost and the LRU order comes back.
+    The control: ARC's own order differs, so the check can tell."""
+    policy = AdaptivePolicy(200)
+    policy._referee = lambda key: None  # type: ignore[method-assign]
+    replay(policy, scan_heavy(3)[:5_000])
+    before = list(policy)
+    policy._take_over(ARC)
+    assert set(policy) == set(before) and len(policy) == len(before)
+    assert list(policy._t1) + list(policy._t2) != before  # ARC's own order is not LRU's
+    policy._take_over(LRU)
+    assert list(policy) == before
 
 
 def test_lists_stay_disjoint_and_ordered_and_ghosts_bounded() -> None:
     policy = make_policy("adaptive", 64, sample_bits=1)
     rng = random.Random(5)
-    experts = set()
-    for step in range(5_000):
-        key = rng.randrange(300)
+    experts = []
+    for step in range(8_000):
+        key = rng.randrange(300) if step % 2000 < 1000 else rng.choice((rng.randrange(40), 1000 + step))
+        if step % 2000 == 1000:
+            policy._take_over(LRU)  # each scan phase starts under LRU: ARC must win it again
         if key in policy:
             policy.on_access(key)
         elif step % 7 == 0 and len(policy):
@@ -86,15 +125,20 @@ def test_lists_stay_disjoint_and_ordered_and_ghosts_bounded() -> None:
             if len(policy) >= 64:
                 assert policy.evict(1, lambda k: k % 5 != 0) is not None
             policy.on_insert(key)
-        a, g, h = policy._a, policy._g, policy._h
-        assert len(a) + len(g) + len(h) == len(set(a) | set(g) | set(h)) == len(policy)
-        for part in (a, g, h):
+        order, t1, t2 = policy._order, policy._t1, policy._t2
+        assert len(order) + len(t1) + len(t2) == len(set(order) | set(t1) | set(t2)) == len(policy) <= 64
+        assert not order or not (t1 or t2)  # only the live expert keeps lists
+        for part in (t1, t2):
             assert list(part.values()) == sorted(part.values())  # each list by last use
-        assert policy.ghost_count() <= 4 * 64
-        experts.add(policy.expert)
-    assert len(experts) > 1  # the referee did switch on this mix
+        assert not (set(policy._ghosts) | set(policy._ghosts_old)) & set(policy)
+        if policy.expert == ARC:  # the count ARC's ghost rule reads
+            assert policy._ghosts_b2 == sum(policy._ghosts.values()) + sum(policy._ghosts_old.values())
+        assert policy.ghost_count() <= 64 + 1
+        if not experts or experts[-1] != policy.expert:
+            experts.append(policy.expert)
+    assert experts.count(ARC) >= 3  # the referee took ARC in every scan phase
     policy.clear()
-    assert len(policy) == 0 and not policy._b1 and not policy._v1 and policy.expert == LRU
+    assert len(policy) == 0 and not policy.ghost_count() and policy.expert == LRU
 
 
 def test_bad_parameters_are_errors() -> None:
