@@ -95,6 +95,38 @@ def test_under_arc_victims_follow_arcs_rule_and_ghosts_move_p() -> None:
     assert p != policy.p
 
 
+def _arc_state(arc: ARCPolicy) -> tuple:
+    """An ARC's four lists, in order, and its target."""
+    return (*(list(part) for part in (arc._t1, arc._t2, arc._b1, arc._b2)), arc.p)
+
+
+def test_the_referees_arc_makes_arcpolicys_decisions() -> None:
+    """The shadow ARC's inlined request decides as ``ARCPolicy``'s own calls do (a miss:
+    ``evict(1)`` when full, then ``on_insert``), list by list and ``p`` after every request;
+    vLLM's variant (``VLLMARCPolicy``) parts from it on the same keys, so the check can
+    fail."""
+    from policies.adaptive import _ShadowARC
+    from policies.arc import VLLMARCPolicy
+
+    keys = scan_heavy(4)[:20_000]
+    for reference, parts in ((ARCPolicy(64), False), (VLLMARCPolicy(64), True)):
+        shadow = _ShadowARC(64)
+        apart = False
+        for key in keys:
+            hit = key in reference
+            if hit:
+                reference.on_access(key)
+            else:
+                if len(reference) >= 64:
+                    assert reference.evict(1) is not None
+                reference.on_insert(key)
+            assert shadow.request(key) == hit or parts
+            if _arc_state(shadow) != _arc_state(reference):
+                apart = True
+                break
+        assert apart == parts
+
+
 def test_a_switch_keeps_every_key_and_the_order_of_last_use() -> None:
     """LRU -> ARC -> LRU rebuilds the lists; nothing is lost and the LRU order comes back.
     The control: ARC's own order differs, so the check can tell."""
