@@ -59,6 +59,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import filterfalse, islice, repeat
 from typing import TypeVar
@@ -67,6 +68,7 @@ from offload.keys import GROUP_BYTES, OffloadKey, key_group
 from offload.tier_engine import OpKind, OpResult
 from offload.tiering import LowerTierChain, NoLowerTiers, TierObserver
 from policies import EvictionPolicy
+from policies.base import EvictableUnless
 from tiers.host import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -696,41 +698,19 @@ class HostTierManager:
         else:
             self._events.removed[key] = None
 
-    def _evictable(self, protected: set[OffloadKey], *, clean_only: bool) -> Callable[[object], bool]:
+    def _evictable(self, protected: set[OffloadKey], *, clean_only: bool) -> EvictableUnless:
         """Whether a row may go: readable, not pinned or read, not protected by the call or the step."""
-        unready, pins, readers, dirty, step_hits = (
+        blocked: list[AbstractSet[OffloadKey]] = [
             self._unready,
-            self._pins,
-            self._readers,
-            self._dirty,
-            self._step_hits,
-        )
-        if not self.lower.tiers:  # host only: no row is read by a copy down or dirty
-
-            def evictable_host_only(key: object) -> bool:
-                return not (key in unready or key in pins or key in protected or key in step_hits)
-
-            return evictable_host_only
-        if not clean_only or not self.lower.has_write_back:  # without write-back tiers no row is dirty
-
-            def evictable_any(key: object) -> bool:
-                return not (
-                    key in unready or key in pins or key in readers or key in protected or key in step_hits
-                )
-
-            return evictable_any
-
-        def evictable(key: object) -> bool:
-            return not (
-                key in unready
-                or key in pins
-                or key in readers
-                or key in protected
-                or key in step_hits
-                or key in dirty
-            )
-
-        return evictable
+            self._pins.keys(),
+            protected,
+            self._step_hits.keys(),
+        ]
+        if self.lower.tiers:  # host only: no row is read by a copy down, nor dirty
+            blocked.append(self._readers.keys())
+            if clean_only and self.lower.has_write_back:
+                blocked.append(self._dirty)
+        return EvictableUnless(*blocked)
 
     def _make_room(self, wanted: Sequence[int], protected: Iterable[OffloadKey]) -> list[OffloadKey] | None:
         """Evict so each group has ``wanted[group]`` free slots: the victims, or ``None`` and no change.

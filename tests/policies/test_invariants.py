@@ -7,16 +7,27 @@ import random
 import pytest
 
 from policies import make_policy
-from policies.base import EvictionPolicy
+from policies.base import EvictableUnless, EvictionPolicy
 from tests.policies.conftest import ALL_POLICIES
 
 
-def drive(policy: EvictionPolicy, steps: int, seed: int, pinned: set[int] | None = None) -> set[int]:
+def drive(
+    policy: EvictionPolicy,
+    steps: int,
+    seed: int,
+    pinned: set[int] | None = None,
+    *,
+    as_blocked_set: bool = False,
+    victims_seen: list[list[int]] | None = None,
+) -> set[int]:
     """An owner: inserts runs of chained keys, hits some, evicts when full, sometimes drops an
-    unpinned key itself. Returns the keys it holds at the end."""
+    unpinned key itself. Returns the keys it holds at the end. ``as_blocked_set``: say which
+    keys may go as the host tier says it (``EvictableUnless``), not with a predicate;
+    ``victims_seen``: every eviction's victims are appended to it."""
     rng = random.Random(seed)
     resident: set[int] = set()
     pinned = pinned or set()
+    evictable = EvictableUnless(pinned) if as_blocked_set else lambda k: k not in pinned
     next_key = 0
     for _ in range(steps):
         op = rng.random()
@@ -26,9 +37,11 @@ def drive(policy: EvictionPolicy, steps: int, seed: int, pinned: set[int] | None
             next_key += len(run)
             need = len(resident) + len(run) - policy.capacity
             if need > 0:
-                victims = policy.evict(need, lambda k: k not in pinned)
+                victims = policy.evict(need, evictable)
                 if victims is None:
                     continue
+                if victims_seen is not None:
+                    victims_seen.append(victims)
                 assert len(victims) == need == len(set(victims))
                 assert set(victims) <= resident, "evicted a key that was not resident"
                 assert not set(victims) & pinned, "evicted a pinned key"
@@ -62,6 +75,22 @@ def test_pinned_keys_are_never_evicted(name: str) -> None:
     resident = drive(policy, 500, seed=2, pinned=pinned)
     # drive() checks every eviction too; the pinned keys outlive ~500 others.
     assert pinned <= resident
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_a_blocked_set_evicts_what_a_predicate_does(name: str) -> None:
+    """``EvictableUnless`` lets ``take_evictable`` check a policy's first candidates in C; the
+    victims must be those of the same rule as a predicate, pinned keys among the first
+    candidates included (the early keys are the least recent for most of the run)."""
+    pinned = {0, 1, 2, 5, 8, 13}
+    by_predicate: list[list[int]] = []
+    by_set: list[list[int]] = []
+    drive(make_policy(name, 12), 500, seed=5, pinned=pinned, victims_seen=by_predicate)
+    drive(make_policy(name, 12), 500, seed=5, pinned=pinned, as_blocked_set=True, victims_seen=by_set)
+    assert by_set == by_predicate and len(by_set) > 50
+    unpinned: list[list[int]] = []  # control: the same owner pinning nothing evicts otherwise
+    drive(make_policy(name, 12), 500, seed=5, as_blocked_set=True, victims_seen=unpinned)
+    assert unpinned != by_predicate
 
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
