@@ -394,3 +394,70 @@ def test_plan_store_and_pin_for_load_are_the_verbs_without_their_dataclasses():
     slots, layouts = m.pin_for_load([k(3), k(1)])
     assert slots == m.prepare_load([k(3), k(1)]).slots and layouts is None
     assert m.held_by_caller() == ({k(1): 2, k(3): 2}, [])
+
+
+@pytest.mark.parametrize(("groups", "seed"), [(1, 1), (1, 2), (2, 3)])
+def test_random_calls_keep_every_row_where_a_model_of_the_contract_says(groups, seed):
+    """A model of the contract (each key: storing, ready with its pins; each row's slot) beside
+    the manager through random calls, failed stores, loads, steps and resets included: every
+    lookup, slot, victim and ``held_by_caller`` must agree with it, so no row's state is lost
+    or left behind by any path that changes it."""
+    rng = random.Random(seed)
+    m = manager(slots=6, groups=groups)
+    slot_of: dict[bytes, int] = {}
+    storing: set[bytes] = set()
+    pins: dict[bytes, int] = {}
+    hit_this_step: set[bytes] = set()
+    loads: list[list[bytes]] = []
+    for _ in range(3_000):
+        op = rng.random()
+        group = rng.randrange(groups)
+        if op < 0.4:
+            keys = [k(rng.randrange(30), group) for _ in range(rng.randint(1, 4))]
+            out = m.prepare_store(keys)
+            if out is None:
+                continue
+            for victim in out.evicted_keys:
+                assert victim not in storing and not pins.get(victim) and victim not in keys
+                assert victim not in hit_this_step
+                del slot_of[victim]
+            assert out.keys_to_store == [key for key in dict.fromkeys(keys) if key not in slot_of]
+            for key, slot in zip(out.keys_to_store, out.store_spec.slots, strict=True):
+                assert slot not in {s for other, s in slot_of.items() if other[-4:] == key[-4:]}
+                slot_of[key] = slot
+            storing.update(out.keys_to_store)
+            done = list(out.keys_to_store)
+            success = rng.random() < 0.8
+            m.complete_store(done, success=success)
+            storing.difference_update(done)
+            if not success:
+                for key in done:
+                    del slot_of[key]
+        elif op < 0.65:
+            key = k(rng.randrange(30), group)
+            expected = MISS if key not in slot_of else PENDING if key in storing else HIT
+            assert m.lookup(key) is expected
+            if expected is HIT and rng.random() < 0.3:
+                hit_this_step.add(key)  # kept from eviction until loaded or the step ends
+            elif expected is HIT:
+                hit_this_step.discard(key)  # the pin protects it now
+                assert m.prepare_load([key]).slots == [slot_of[key]]
+                pins[key] = pins.get(key, 0) + 1
+                loads.append([key])
+        elif op < 0.8 and loads:
+            done = loads.pop(rng.randrange(len(loads)))
+            m.complete_load(done)
+            for key in done:
+                pins[key] -= 1
+        elif op < 0.95:
+            m.on_schedule_end()
+            m.drop_events()
+            hit_this_step.clear()
+        else:
+            assert m.reset() is not any(pins.values())  # refused exactly while a load holds a row
+            if not any(pins.values()):
+                slot_of.clear()
+        held_pins, held_storing = m.held_by_caller()
+        assert held_pins == {key: n for key, n in pins.items() if n} and held_storing == []
+        assert len(m) == len(slot_of)
+        assert sum(m.num_free_slots(g) for g in range(groups)) == 6 * groups - len(slot_of)
