@@ -66,8 +66,9 @@ def _sample_byte(key: Key) -> int:
     return hash(key)
 
 
-def _sampled(keys: Iterable[Key], mask: int) -> list[Key]:
-    """The keys of ``keys`` in the sample, in order (a kvtier key is tested in C speed)."""
+def _sampled(keys: Sequence[Key], mask: int) -> list[Key]:
+    """The keys of ``keys`` in the sample, in order (a kvtier key is tested in C speed).
+    A sequence, not an iterator: the general test must see the keys the first one did."""
     try:
         return [key for key in keys if not key[-5] & mask]  # type: ignore[index]
     except (TypeError, IndexError):  # int keys, short or str keys: the general test
@@ -256,7 +257,7 @@ class AdaptivePolicy(EvictionPolicy):
         else:
             for i in range(len(keys) - 1, -1, -1):
                 self._insert_one(keys[i])
-        for key in _sampled(reversed(keys), self._mask):
+        for key in reversed(_sampled(keys, self._mask)):
             self._referee(key)
 
     def on_access(self, key: Key) -> None:
@@ -282,6 +283,22 @@ class AdaptivePolicy(EvictionPolicy):
             sampled = not _sample_byte(key) & self._mask
         if sampled:
             self._referee(key)
+
+    def on_renew(self, keys: Iterable[Key]) -> None:
+        # Order only: no mark, and no request for the shadows (the hit was replayed when it came).
+        if self.expert == LRU:
+            order = self._order
+            for key in keys:
+                if key in order:
+                    order.move_to_end(key)
+            return
+        clock = self._clock
+        for key in keys:
+            for part in (self._t2, self._t1):
+                if key in part:
+                    part.move_to_end(key)
+                    part[key] = next(clock)
+                    break
 
     def on_remove(self, key: Key) -> None:
         if self.expert == LRU:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
@@ -59,6 +59,15 @@ class ARCPolicy(EvictionPolicy):
         elif key in self._t1:
             del self._t1[key]
             self._t2[key] = None
+
+    def on_renew(self, keys: Iterable[Key]) -> None:
+        # Within its own list: a renewal is not a hit, so T1 -> T2 is not for it.
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                t1.move_to_end(key)
 
     def on_remove(self, key: Key) -> None:
         if key in self._t1:

@@ -22,6 +22,11 @@ Call contract (one thread; the owner serialises calls):
   ``on_insert`` / ``on_insert_run`` of the same keys follow if the store goes ahead.
 - ``on_access(key)`` on every hit of a resident key. The hits of one request are reported
   tail first, for the same reason as ``on_insert_run``.
+- ``on_renew(keys)`` when the owner re-ranks resident keys it has already reported: each of
+  ``keys``, in order, becomes the most recent, and nothing is counted as a use (vLLM renews
+  every key a request used when the request ends, its head last, so a prefix's head outlives
+  the blocks the request stored after it). Keys not resident are ignored; a policy with no
+  order by recency ignores the call (the default).
 - ``on_remove(key)`` when the owner drops a resident key for a reason of its own (the
   row turned out corrupt, an explicit delete). Not called for keys returned by ``evict``.
 - ``evict(n, evictable)`` picks ``n`` resident keys for which ``evictable(key)`` is true
@@ -143,6 +148,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_access(self, key: Key) -> None:
         """Record a hit on a resident ``key``."""
+
+    def on_renew(self, keys: Iterable[Key]) -> None:
+        """Make each resident key of ``keys``, in order, the most recent, without counting a use."""
+        del keys  # no order by recency to renew
 
     @abstractmethod
     def on_remove(self, key: Key) -> None:

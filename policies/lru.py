@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
@@ -38,6 +38,12 @@ class LRUPolicy(EvictionPolicy):
     def on_access(self, key: Key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def on_renew(self, keys: Iterable[Key]) -> None:
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
 
     def on_remove(self, key: Key) -> None:
         self._order.pop(key, None)

@@ -1,4 +1,5 @@
-"""``arc-vllm``: vLLM's ARC variant, checked against vLLM's own ``arc`` decision by decision."""
+"""``arc-vllm``: vLLM's ARC variant, checked against vLLM's own ``arc`` decision by decision;
+and ``lru`` against vLLM's ``lru`` the same way."""
 
 from __future__ import annotations
 
@@ -16,16 +17,21 @@ from policies.registry import make_policy
 
 
 def resident_sets_in_lockstep(
-    policy: str, trace: list[traces.Request], capacity: int
+    policy: str, trace: list[traces.Request], capacity: int, vllm_policy: str = "arc"
 ) -> list[tuple[set, set]]:
-    """vLLM's ``CPUOffloadingManager`` with ``arc`` and kvtier's ``HostTierManager`` with
-    ``policy``, driven request by request as vLLM's scheduler drives a manager
+    """vLLM's ``CPUOffloadingManager`` with ``vllm_policy`` and kvtier's ``HostTierManager``
+    with ``policy``, driven request by request as vLLM's scheduler drives a manager
     (``bench.scheduler_driver``): after each request, (vLLM's resident keys, kvtier's); a
     lookup answered differently ends the list with a pair that differs."""
     from vllm.v1.kv_offload.base import LookupResult
 
     device = device_prefix_hits(trace, 10)
-    vllm: Any = make_manager(capacity, "arc")
+    vllm: Any = make_manager(capacity, vllm_policy)
+
+    def vllm_resident() -> set:
+        held = vllm._policy
+        return set(held.chunks) if vllm_policy == "lru" else set(held.t1) | set(held.t2)
+
     kvtier = HostTierManager(1, capacity, lambda rows: make_policy(policy, rows))
     out = []
     for r, (keys, d) in enumerate(zip(key_lists(trace), device, strict=True)):
@@ -35,7 +41,7 @@ def resident_sets_in_lockstep(
         for key in keys[d:]:
             hit_vllm = vllm.lookup(key, ctx) is LookupResult.HIT
             if hit_vllm != (kvtier.lookup(key) is Lookup.HIT):  # parted already: stop here
-                out.append((set(vllm._policy.t1) | set(vllm._policy.t2), set(kvtier._policies[0]) ^ {key}))
+                out.append((vllm_resident(), set(kvtier._policies[0]) ^ {key}))
                 return out
             if not hit_vllm:
                 break
@@ -59,7 +65,7 @@ def resident_sets_in_lockstep(
         vllm.on_request_finished(ctx)
         kvtier.on_request_finished(str(r))
         kvtier.on_schedule_end()
-        out.append((set(vllm._policy.t1) | set(vllm._policy.t2), set(kvtier._policies[0])))
+        out.append((vllm_resident(), set(kvtier._policies[0])))
     return out
 
 
@@ -78,6 +84,21 @@ def test_it_holds_what_vllm_arc_holds_after_every_request(shape: str) -> None:
     assert first_diff is None, f"request {first_diff} of {len(states)}: kvtier holds other keys than vLLM"
     # The check can fail: the paper's ARC, driven the same way, parts from vLLM's.
     assert any(v != k for v, k in resident_sets_in_lockstep("arc", trace, 60))
+
+
+@pytest.mark.skipif(vllm_version() is None, reason="vLLM's offloading manager does not import")
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_lru_holds_what_vllm_lru_holds_after_every_request(shape: str, monkeypatch) -> None:
+    """vLLM renews every key a request used when it ends, its head last; the host tier
+    renews them so (``HostTierManager._renew_request``), and ``lru`` then holds what vLLM's
+    ``lru`` holds."""
+    trace = SHAPES[shape]()
+    states = resident_sets_in_lockstep("lru", trace, 60, vllm_policy="lru")
+    first_diff = next((r for r, (v, k) in enumerate(states) if v != k), None)
+    assert first_diff is None, f"request {first_diff} of {len(states)}: kvtier holds other keys than vLLM"
+    # The check can fail: without the renewal the loaded prefix ages behind the stored blocks.
+    monkeypatch.setattr(HostTierManager, "_renew_request", lambda self, keys, offered_again: None)
+    assert any(v != k for v, k in resident_sets_in_lockstep("lru", trace, 60, vllm_policy="lru"))
 
 
 def test_a_ghost_comes_back_to_t1_and_each_ghost_list_is_bounded_alone() -> None:

@@ -169,3 +169,40 @@ def test_scan_resistant_policies_keep_a_hot_set_through_a_scan() -> None:
                 for h in hot:
                     use(h)
         assert sum(key in policy for key in hot) >= 15, name
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_a_renewal_changes_no_membership(name: str) -> None:
+    policy = make_policy(name, 10)
+    policy.on_insert_run(list(range(10)))
+    policy.on_renew([3, 1, 99])  # 99 is not resident: ignored
+    assert set(policy) == set(range(10)) and len(policy) == 10
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-vllm", "slru", "adaptive"])
+def test_a_renewal_is_order_not_a_use(name: str) -> None:
+    """``on_renew`` makes keys the most recent in their own list; a use also makes a
+    once-seen key frequent where a policy counts frequency (ARC's T2, SLRU's protected
+    segment), so it then outlives a newer once-seen key."""
+    renewed, used = make_policy(name, 4), make_policy(name, 4)
+    for policy in (renewed, used):
+        policy.on_insert_run([0, 1, 2, 3])  # tail first: 3 is the least recent, 0 the most
+    renewed.on_renew([3, 2])
+    used.on_access(3)
+    used.on_access(2)
+    for policy in (renewed, used):
+        assert policy.evict(1) == [1]
+        policy.on_insert(9)
+    assert renewed.evict(3) == [0, 3, 2]  # still once-seen, by last use: 9 is the newest
+    frequency = name in ("arc", "arc-vllm", "slru")
+    assert (used.evict(3) == [0, 9, 3]) is frequency
+
+
+def test_a_renewal_is_no_request_for_adaptives_referee() -> None:
+    policy = make_policy("adaptive", 64)
+    policy.on_insert_run([0])  # key 0 is in the sample (an int key is its own hash)
+    scores = list(policy.scores)  # type: ignore[attr-defined]
+    policy.on_renew([0])
+    assert policy.scores == scores  # type: ignore[attr-defined]
+    policy.on_access(0)
+    assert policy.scores != scores  # type: ignore[attr-defined]

@@ -63,7 +63,7 @@ def test_full_attention_and_sliding_window_groups_both_come_back(make_engine, la
     full_blocks = end // BLOCK_SIZE
     window_blocks = 48 // BLOCK_SIZE  # the sliding-window group loads only what attention reaches
     assert loaded_rows(engine) == full_blocks + window_blocks
-    groups = {key[-4:] for key in engine.manager.manager._rows}
+    groups = {key[-4:] for key in engine.manager.manager._slots}
     assert groups == {(0).to_bytes(4, "big"), (1).to_bytes(4, "big")}
 
 
