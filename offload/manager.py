@@ -484,7 +484,7 @@ class HostTierManager:
     def _renew(self, keys: Sequence[OffloadKey]) -> None:
         """``on_renew`` of ``keys`` tail first, each group's policy with its own keys."""
         if self.num_groups == 1:
-            self._policies[0].on_renew(reversed(keys))
+            self._policies[0].on_renew(keys[::-1])
             return
         by_group: dict[int, list[OffloadKey]] = {}
         for key in reversed(keys):

@@ -284,21 +284,30 @@ class AdaptivePolicy(EvictionPolicy):
         if sampled:
             self._referee(key)
 
-    def on_renew(self, keys: Iterable[Key]) -> None:
-        # Order only: no mark, and no request for the shadows (the hit was replayed when it came).
+    def on_renew(self, keys: Sequence[Key]) -> None:
+        # Order only: no mark, and no request for the shadows (the hit was replayed when it
+        # came). The usual call (a loaded prefix, every key resident) in C.
         if self.expert == LRU:
             order = self._order
-            for key in keys:
-                if key in order:
-                    order.move_to_end(key)
+            try:
+                deque(map(order.move_to_end, keys), 0)
+            except KeyError:  # one was not: again, key by key (moving a key twice leaves one order)
+                for key in keys:
+                    if key in order:
+                        order.move_to_end(key)
             return
-        clock = self._clock
+        t1, t2, clock = self._t1, self._t2, self._clock
+        if all(map(t2.__contains__, keys)):
+            deque(map(t2.move_to_end, keys), 0)
+            t2.update(zip(keys, clock, strict=False))  # their stamps, in their new order
+            return
         for key in keys:
-            for part in (self._t2, self._t1):
-                if key in part:
-                    part.move_to_end(key)
-                    part[key] = next(clock)
-                    break
+            if key in t2:
+                t2.move_to_end(key)
+                t2[key] = next(clock)
+            elif key in t1:
+                t1.move_to_end(key)
+                t1[key] = next(clock)
 
     def on_remove(self, key: Key) -> None:
         if self.expert == LRU:

@@ -10,8 +10,8 @@ tier learns that one of its past victims was wanted.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
@@ -60,9 +60,12 @@ class ARCPolicy(EvictionPolicy):
             del self._t1[key]
             self._t2[key] = None
 
-    def on_renew(self, keys: Iterable[Key]) -> None:
+    def on_renew(self, keys: Sequence[Key]) -> None:
         # Within its own list: a renewal is not a hit, so T1 -> T2 is not for it.
         t1, t2 = self._t1, self._t2
+        if all(map(t2.__contains__, keys)):  # the usual call, a loaded prefix: in C
+            deque(map(t2.move_to_end, keys), 0)
+            return
         for key in keys:
             if key in t2:
                 t2.move_to_end(key)

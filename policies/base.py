@@ -149,7 +149,7 @@ class EvictionPolicy(ABC):
     def on_access(self, key: Key) -> None:
         """Record a hit on a resident ``key``."""
 
-    def on_renew(self, keys: Iterable[Key]) -> None:
+    def on_renew(self, keys: Sequence[Key]) -> None:
         """Make each resident key of ``keys``, in order, the most recent, without counting a use."""
         del keys  # no order by recency to renew
 

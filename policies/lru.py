@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
@@ -39,11 +39,14 @@ class LRUPolicy(EvictionPolicy):
         if key in self._order:
             self._order.move_to_end(key)
 
-    def on_renew(self, keys: Iterable[Key]) -> None:
+    def on_renew(self, keys: Sequence[Key]) -> None:
         order = self._order
-        for key in keys:
-            if key in order:
-                order.move_to_end(key)
+        try:
+            deque(map(order.move_to_end, keys), 0)  # every key resident (the usual call): in C
+        except KeyError:  # one was not: again, key by key (moving a key twice leaves one order)
+            for key in keys:
+                if key in order:
+                    order.move_to_end(key)
 
     def on_remove(self, key: Key) -> None:
         self._order.pop(key, None)

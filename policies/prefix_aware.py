@@ -34,7 +34,7 @@ The chains themselves are a ``PrefixForest`` (``policies/prefix_forest.py``), sh
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
@@ -105,7 +105,7 @@ class PrefixAware(EvictionPolicy):
         if key in self._parent:
             self._uses[key] = self._uses.get(key, 0) + 1
 
-    def on_renew(self, keys: Iterable[Key]) -> None:
+    def on_renew(self, keys: Sequence[Key]) -> None:
         self.inner.on_renew(keys)
 
     def on_remove(self, key: Key) -> None:

@@ -8,7 +8,7 @@ that were actually reused, which plain LRU lets happen.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
@@ -60,7 +60,7 @@ class SLRUPolicy(EvictionPolicy):
     def on_access(self, key: Key) -> None:
         segmented_hit(key, self._probation, self._protected, self._protected_cap)
 
-    def on_renew(self, keys: Iterable[Key]) -> None:
+    def on_renew(self, keys: Sequence[Key]) -> None:
         probation, protected = self._probation, self._protected
         for key in keys:  # within its segment: a renewal is not a hit, so no promotion
             if key in protected:
