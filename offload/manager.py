@@ -397,9 +397,9 @@ class HostTierManager:
                 self._group(key)  # raises the error that names the key
             wanted[group] += 1
         evicted = self._room_for(new_keys, wanted, keys)
-        offered_again = len(new_keys) < len(keys) and self._use_offered_again(keys)
+        again = self._use_offered_again(keys) if len(new_keys) < len(keys) else []
         if evicted is None:
-            self._renew_request(keys, offered_again)
+            self._renew_request(keys, new_keys, again)
             return None
 
         free_slots = [
@@ -411,8 +411,8 @@ class HostTierManager:
         self._unready.update(new_keys)
         for group, run, parent in reversed(_new_runs(keys, group_of)):  # the last run first
             self._policies[group].on_insert_run(run, parent)
-        if new_keys or offered_again:
-            self._renew_request(keys, offered_again)
+        if new_keys or again:
+            self._renew_request(keys, new_keys, again)
         self._write_back(extra=len(new_keys))
         return new_keys, slots, evicted
 
@@ -428,9 +428,9 @@ class HostTierManager:
                 if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
                     self._group(key)  # raises the error that names the key
         evicted = self._room_for(new_keys, [len(new_keys)], keys)
-        offered_again = len(new_keys) < len(keys) and self._use_offered_again(keys)
+        again = self._use_offered_again(keys) if len(new_keys) < len(keys) else []
         if evicted is None:
-            self._renew_request(keys, offered_again)
+            self._renew_request(keys, new_keys, again)
             return None
         slots = self._allocators[0].allocate(len(new_keys)) if new_keys else []
         assert slots is not None, "eviction freed too few slots"
@@ -446,14 +446,14 @@ class HostTierManager:
             # the last run first: a store tail first, as vLLM renews a request's uses
             for _, run, parent in reversed(_new_runs(keys, dict.fromkeys(new_keys, 0))):
                 policy.on_insert_run(run, parent)
-        if new_keys or offered_again:
-            self._renew_request(keys, offered_again)
+        if new_keys or again:
+            self._renew_request(keys, new_keys, again)
         self._write_back(extra=len(new_keys))
         return new_keys, slots, evicted
 
-    def _use_offered_again(self, keys: Sequence[OffloadKey]) -> bool:
+    def _use_offered_again(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Readable rows offered to ``prepare_store`` again are used again (after the store's
-        eviction, or its refusal, and before its new rows are in); whether there were any.
+        eviction, or its refusal, and before its new rows are in); those keys, in order.
         vLLM's manager counts them so (its ``ready_existing_keys``, whether the store goes
         ahead or not); uncounted, the prefix of a prompt that the device cache serves, which
         vLLM offers whole when nothing was loaded, aged in the host tier: on ``kvtier bench
@@ -462,22 +462,25 @@ class HostTierManager:
         again = [key for key in keys if key in slots and key not in unready]
         if again:
             self._use(again)
-        return bool(again)
+        return again
 
-    def _renew_request(self, keys: Sequence[OffloadKey], offered_again: bool) -> None:
+    def _renew_request(
+        self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey], again: list[OffloadKey]
+    ) -> None:
         """Renew the request's rows as vLLM does when a request ends: every key it used
         (loaded, offered again, stored), tail first, so that its head ends the most recent and
         outlives what the request stored after it (``on_renew``: order only, not a use).
 
-        The rows this step last loaded are its head; a store of new keys only is already in
-        order (a run goes in tail first), so only the loaded rows follow it; with rows offered
-        again among the new ones the whole offer is renewed first. Without it, the loaded
-        prefix aged behind the blocks the request computed: on ``kvtier bench policy``'s
-        scheduler table ``lru`` was up to 0.6% under vLLM ``lru`` (long-doc QA 5%), with it
-        equal but there (-0.2%); ``arc-vllm`` holds what vLLM's ``arc`` holds either way (a
+        The rows this step last loaded are its head, renewed last. A store's new keys went in
+        tail first, already in order; rows offered again before them (the usual: the prefix
+        the device cache served, when vLLM offers a whole prompt) are renewed after them, and
+        where new and old keys interleave the whole offer is. Without this, the loaded prefix
+        aged behind the blocks the request computed: on ``kvtier bench policy``'s scheduler
+        table ``lru`` was up to 0.6% under vLLM ``lru`` (long-doc QA and agentic 5%), with it
+        equal in every cell; ``arc-vllm`` holds what vLLM's ``arc`` holds either way (a
         renewal moves a key within its list: ``tests/policies/test_arc_vllm.py``)."""
-        if offered_again:
-            self._renew(keys)
+        if again:
+            self._renew(again if _single_run_start(keys, new_keys) is not None else keys)
         if self._last_touched:
             self._renew(self._last_touched)
 
