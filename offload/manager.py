@@ -15,7 +15,9 @@ onto the other):
 - ``prepare_store(keys)`` drops keys already stored or in flight, allocates slots for the
   rest, evicting (never a pinned or in-flight row, never a key of the same call), and
   returns ``None`` with nothing changed when that cannot free enough. A readable row
-  offered again counts as a use (``touch``), as vLLM's manager counts it.
+  offered again counts as a use (``touch``), as vLLM's manager counts it; then the
+  request's rows are renewed as vLLM renews them when a request ends (the policy's
+  ``on_renew``: order, not a use), its loaded head the most recent.
   ``complete_store(keys, success)`` makes stored rows readable or frees failed ones.
 - ``take_events()`` drains store / removal events once each, removals first; a key
   stored and removed between two drains is reported not at all. ``drop_events()`` drains
@@ -525,6 +527,8 @@ class HostTierManager:
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         self.poll()
         keys = keys if type(keys) is list else list(keys)
+        if not keys:
+            return
         stored = dict.fromkeys(keys)
         unready = self._unready
         if not (success and len(stored) == len(keys) and unready.issuperset(stored)) or (
@@ -737,7 +741,7 @@ class HostTierManager:
             protected,
             self._step_hits.keys(),
         ]
-        if self.lower.tiers:  # host only: no row is read by a copy down, nor dirty
+        if self.lower.tiers:  # (host only, no row is ever read by a copy down, nor dirty)
             blocked.append(self._readers.keys())
             if clean_only and self.lower.has_write_back:
                 blocked.append(self._dirty)
@@ -830,10 +834,8 @@ class HostTierManager:
     def _copy_down(self, keys: Sequence[OffloadKey], *, on_evict: bool) -> None:
         """Start copying host rows to the tiers that take them (write-back or write-through)."""
         copying, unwanted = self.lower.spill(keys, self._row_bytes, on_evict=on_evict)
-        if on_evict:
-            self._dirty.difference_update(
-                map(OffloadKey, unwanted)
-            )  # not admitted below: nothing to keep it for
+        if on_evict:  # rows not admitted below: nothing to keep them dirty for
+            self._dirty.difference_update(map(OffloadKey, unwanted))
         readers = self._readers
         for key in map(OffloadKey, copying):
             readers[key] = readers.get(key, 0) + 1
