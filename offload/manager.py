@@ -400,8 +400,9 @@ class HostTierManager:
             wanted[group] += 1
         evicted = self._room_for(new_keys, wanted, keys)
         again = self._use_offered_again(keys) if len(new_keys) < len(keys) else []
+        again_first = bool(again) and _single_run_start(keys, new_keys) is not None
         if evicted is None:
-            self._renew_request(keys, new_keys, again)
+            self._renew_request(keys, again, again_first)
             return None
 
         free_slots = [
@@ -414,7 +415,7 @@ class HostTierManager:
         for group, run, parent in reversed(_new_runs(keys, group_of)):  # the last run first
             self._policies[group].on_insert_run(run, parent)
         if new_keys or again:
-            self._renew_request(keys, new_keys, again)
+            self._renew_request(keys, again, again_first)
         self._write_back(extra=len(new_keys))
         return new_keys, slots, evicted
 
@@ -430,9 +431,11 @@ class HostTierManager:
                 if len(key) <= GROUP_BYTES or not key.endswith(_GROUP_0):
                     self._group(key)  # raises the error that names the key
         evicted = self._room_for(new_keys, [len(new_keys)], keys)
-        again = self._use_offered_again(keys) if len(new_keys) < len(keys) else []
+        offered_again = len(new_keys) < len(keys)
+        again = self._use_offered_again(keys) if offered_again else []
+        start = _single_run_start(keys, new_keys) if offered_again else None  # new keys: one run at the end
         if evicted is None:
-            self._renew_request(keys, new_keys, again)
+            self._renew_request(keys, again, start is not None)
             return None
         slots = self._allocators[0].allocate(len(new_keys)) if new_keys else []
         assert slots is not None, "eviction freed too few slots"
@@ -442,14 +445,14 @@ class HostTierManager:
         if len(new_keys) == len(keys):  # the usual store: every key new, so one run
             if new_keys:
                 policy.on_insert_run(new_keys, None)
-        elif (start := _single_run_start(keys, new_keys)) is not None:
+        elif start is not None:
             policy.on_insert_run(new_keys, keys[start - 1])
         elif new_keys:
             # the last run first: a store tail first, as vLLM renews a request's uses
             for _, run, parent in reversed(_new_runs(keys, dict.fromkeys(new_keys, 0))):
                 policy.on_insert_run(run, parent)
         if new_keys or again:
-            self._renew_request(keys, new_keys, again)
+            self._renew_request(keys, again, start is not None)
         self._write_back(extra=len(new_keys))
         return new_keys, slots, evicted
 
@@ -466,9 +469,7 @@ class HostTierManager:
             self._use(again)
         return again
 
-    def _renew_request(
-        self, keys: Sequence[OffloadKey], new_keys: list[OffloadKey], again: list[OffloadKey]
-    ) -> None:
+    def _renew_request(self, keys: Sequence[OffloadKey], again: list[OffloadKey], again_first: bool) -> None:
         """Renew the request's rows as vLLM does when a request ends: every key it used
         (loaded, offered again, stored), tail first, so that its head ends the most recent and
         outlives what the request stored after it (``on_renew``: order only, not a use).
@@ -480,9 +481,10 @@ class HostTierManager:
         aged behind the blocks the request computed: on ``kvtier bench policy``'s scheduler
         table ``lru`` was up to 0.6% under vLLM ``lru`` (long-doc QA and agentic 5%), with it
         equal in every cell; ``arc-vllm`` holds what vLLM's ``arc`` holds either way (a
-        renewal moves a key within its list: ``tests/policies/test_arc_vllm.py``)."""
+        renewal moves a key within its list: ``tests/policies/test_arc_vllm.py``).
+        ``again_first``: the store's new keys are one run after every key offered again."""
         if again:
-            self._renew(again if _single_run_start(keys, new_keys) is not None else keys)
+            self._renew(again if again_first else keys)
         if self._last_touched:
             self._renew(self._last_touched)
 
@@ -491,10 +493,7 @@ class HostTierManager:
         if self.num_groups == 1:
             self._policies[0].on_renew(keys[::-1])
             return
-        by_group: dict[int, list[OffloadKey]] = {}
-        for key in reversed(keys):
-            by_group.setdefault(key_group(key), []).append(key)
-        for group, group_keys in by_group.items():
+        for group, group_keys in _by_group(reversed(keys)).items():
             self._policies[group].on_renew(group_keys)
 
     def _room_for(
@@ -517,10 +516,7 @@ class HostTierManager:
         if self.num_groups == 1:
             self._policies[0].on_miss(new_keys)
             return
-        by_group: dict[int, list[OffloadKey]] = {}
-        for key in new_keys:
-            by_group.setdefault(self._group(key), []).append(key)
-        for group, group_keys in by_group.items():
+        for group, group_keys in _by_group(new_keys).items():
             if self._policies[group].overrides_on_miss():
                 self._policies[group].on_miss(group_keys)
 
@@ -883,6 +879,14 @@ class HostTierManager:
 
 def _nothing_below() -> None:
     """``poll`` of a host-only manager: nothing below to send or apply."""
+
+
+def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
+    """``keys`` split by their group (checked already), in order within each."""
+    by_group: dict[int, list[OffloadKey]] = {}
+    for key in keys:
+        by_group.setdefault(key_group(key), []).append(key)
+    return by_group
 
 
 def _single_run_start(keys: Sequence[OffloadKey], new_keys: list[OffloadKey]) -> int | None:

@@ -97,7 +97,7 @@ def test_lru_holds_what_vllm_lru_holds_after_every_request(shape: str, monkeypat
     first_diff = next((r for r, (v, k) in enumerate(states) if v != k), None)
     assert first_diff is None, f"request {first_diff} of {len(states)}: kvtier holds other keys than vLLM"
     # The check can fail: without the renewal the loaded prefix ages behind the stored blocks.
-    monkeypatch.setattr(HostTierManager, "_renew_request", lambda self, keys, new_keys, again: None)
+    monkeypatch.setattr(HostTierManager, "_renew_request", lambda self, keys, again, again_first: None)
     assert any(v != k for v, k in resident_sets_in_lockstep("lru", trace, 60, vllm_policy="lru"))
 
 
