@@ -33,7 +33,7 @@ from itertools import count, repeat
 
 from policies.arc import ARCPolicy
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
-from policies.lru import LRUPolicy
+from policies.lru import LRUPolicy, move_each_to_end
 
 SAMPLE_BITS = 5
 """One key in ``2 ** SAMPLE_BITS`` (by its hash) is replayed in the shadows, chosen on the
@@ -288,13 +288,7 @@ class AdaptivePolicy(EvictionPolicy):
         # Order only: no mark, and no request for the shadows (the hit was replayed when it
         # came). The usual call (a loaded prefix, every key resident) in C.
         if self.expert == LRU:
-            order = self._order
-            try:
-                deque(map(order.move_to_end, keys), 0)
-            except KeyError:  # one was not: again, key by key (moving a key twice leaves one order)
-                for key in keys:
-                    if key in order:
-                        order.move_to_end(key)
+            move_each_to_end(self._order, keys)
             return
         t1, t2, clock = self._t1, self._t2, self._clock
         if all(map(t2.__contains__, keys)):

@@ -8,6 +8,17 @@ from collections.abc import Iterator, Sequence
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 
 
+def move_each_to_end(order: OrderedDict, keys: Sequence[Key]) -> None:
+    """``order.move_to_end`` of each key of ``keys`` that ``order`` holds, in order: in C
+    when every key is there (a renewed prefix, the usual call)."""
+    try:
+        deque(map(order.move_to_end, keys), 0)
+    except KeyError:  # one was not: again, key by key (moving a key twice leaves one order)
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+
+
 class LRUPolicy(EvictionPolicy):
     """Evicts the key whose last insert or hit is oldest.
 
@@ -40,13 +51,7 @@ class LRUPolicy(EvictionPolicy):
             self._order.move_to_end(key)
 
     def on_renew(self, keys: Sequence[Key]) -> None:
-        order = self._order
-        try:
-            deque(map(order.move_to_end, keys), 0)  # every key resident (the usual call): in C
-        except KeyError:  # one was not: again, key by key (moving a key twice leaves one order)
-            for key in keys:
-                if key in order:
-                    order.move_to_end(key)
+        move_each_to_end(self._order, keys)
 
     def on_remove(self, key: Key) -> None:
         self._order.pop(key, None)
