@@ -37,7 +37,7 @@ from bench import e2e_compare, e2e_plots
 from bench.e2e_workload import SOURCES, DeviceCache, Replay, Shape, Tally, clip
 from bench.progress import Progress
 from bench.report import write_json
-from bench.traces import GENERATORS, REAL_TRACE, Request, generate, load_jsonl
+from bench.traces import GENERATORS, REAL_TRACE, Request, add_block_tokens_option, generate, load_jsonl
 from bench.ttft import CostModel, measure_ttft, modelled_ttft, percentile
 from bench.vllm_baseline import vllm_version
 from offload.api import Offloader
@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--requests", type=int, default=1500, help="leading requests of each generated workload"
     )
     parser.add_argument("--real-fraction", type=float, default=0.1, help="leading fraction of a JSONL trace")
+    add_block_tokens_option(parser)
     parser.add_argument(
         "--max-blocks", type=int, default=48, help="a request's prompt is cut to this many blocks"
     )
@@ -104,7 +105,7 @@ def load_workload(name: str, args: argparse.Namespace) -> tuple[list[Request], s
     if name in GENERATORS:
         return generate(name, seed=args.seed)[: args.requests], f"first {args.requests} requests"
     path = REAL_TRACE if name == "real" else Path(name)
-    requests = load_jsonl(path, args.real_fraction)
+    requests = load_jsonl(path, args.real_fraction, args.trace_block_tokens)
     return requests, f"first {args.real_fraction:.0%} of {path.name} ({len(requests)} requests)"
 
 

@@ -40,7 +40,16 @@ from typing import Any
 from bench.policy_drive import drive_targets, print_drive, print_drive_targets, run_drive
 from bench.report import write_json
 from bench.simulate import SimResult, TierSpec, device_prefix_hits, opt_hits, simulate
-from bench.traces import REAL_TRACE, Request, generate, load_jsonl, split_in_time, trace_names, trace_stats
+from bench.traces import (
+    REAL_TRACE,
+    Request,
+    add_block_tokens_option,
+    generate,
+    load_jsonl,
+    split_in_time,
+    trace_names,
+    trace_stats,
+)
 from policies.registry import DEFAULT_POLICY, builtin_policies
 
 POLICIES = (
@@ -89,6 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="leading fraction of the production trace's requests to replay (default 1.0: all)",
     )
     parser.add_argument("--real-trace", default=str(REAL_TRACE), help="JSONL trace to replay as 'real'")
+    add_block_tokens_option(parser)
     parser.add_argument(
         "--traces",
         default=",".join([*trace_names(), *REAL_TRACES]),
@@ -166,7 +176,7 @@ def load_traces(args: argparse.Namespace) -> dict[str, list[Request]]:
     for name in args.traces.split(","):
         if name in REAL_TRACES:
             if real is None:
-                real = load_jsonl(args.real_trace, args.trace_fraction)
+                real = load_jsonl(args.real_trace, args.trace_fraction, args.trace_block_tokens)
             early, late = split_in_time(real)
             traces[name] = {"real": real, "real-early": early, "real-late": late}[name]
         else:
@@ -434,7 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     fraction_note = ""
     if any(name in traces for name in REAL_TRACES):
         note = f"{args.trace_fraction:g} of the requests" if args.trace_fraction < 1 else "all requests"
-        print(f"real trace: {args.real_trace} ({note})")
+        blocks = (
+            f"{args.trace_block_tokens}-token blocks, partial last blocks dropped"
+            if args.trace_block_tokens
+            else "every id kept"
+        )
+        print(f"real trace: {args.real_trace} ({note}; {blocks})")
         fraction_note = f" ({args.trace_fraction:g} of its requests)" if args.trace_fraction < 1 else ""
     policies = [p for p in args.policies.split(",") if p]
     vllm = vllm_version is not None

@@ -111,8 +111,8 @@ def test_generated_keys_are_prefix_chained() -> None:
 def test_jsonl_loader_reads_the_production_format(tmp_path) -> None:
     path = tmp_path / "trace.jsonl"
     lines = [
-        {"timestamp": 30, "input_length": 1500, "output_length": 7, "hash_ids": [0, 3, 4]},
-        {"timestamp": 10, "input_length": 900, "output_length": 2, "hash_ids": [0, 1]},
+        {"timestamp": 30, "input_length": 1536, "output_length": 7, "hash_ids": [0, 3, 4]},
+        {"timestamp": 10, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]},
         {"timestamp": 20, "hash_ids": [0, 1, 2]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
@@ -126,6 +126,22 @@ def test_jsonl_loader_reads_the_production_format(tmp_path) -> None:
     path.write_text('{"timestamp": 1, "hash_ids": [1]}\n{"timestamp": 2}\n')
     with pytest.raises(ValueError, match=r"trace.jsonl:2"):
         load_jsonl(path)
+
+
+def test_jsonl_loader_drops_the_partial_last_block_vllm_never_hashes(tmp_path) -> None:
+    path = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 1, "input_length": 1500, "hash_ids": [0, 3, 4]},  # 2 full blocks and 476 tokens
+        {"timestamp": 2, "input_length": 1024, "hash_ids": [0, 1]},  # 2 full blocks
+        {"timestamp": 3, "input_length": 300, "hash_ids": [9]},  # no full block: nothing to look up
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    assert [r.keys for r in load_jsonl(path)] == [(0, 3), (0, 1)]
+    assert [r.keys for r in load_jsonl(path, block_tokens=None)] == [(0, 3, 4), (0, 1), (9,)]
+    with pytest.raises(ValueError, match=r"trace.jsonl:1: .*not 256-token blocks"):
+        load_jsonl(path, block_tokens=256)  # 1500 tokens are 6 such blocks, not 3
+    with pytest.raises(ValueError, match="block_tokens"):
+        load_jsonl(path, block_tokens=0)
 
 
 @pytest.mark.skipif(not REAL_TRACE.exists(), reason="the production trace is not checked out beside main")
