@@ -52,6 +52,39 @@ def test_it_follows_the_better_expert(trace) -> None:
     assert adaptive >= 0.97 * max(scores.values())
 
 
+def switches(policy: AdaptivePolicy, keys) -> list[int]:
+    """The experts ``policy`` changed to while replaying ``keys``."""
+    taken: list[int] = []
+    take_over = policy._take_over
+
+    def spy(expert: int) -> None:
+        if expert != policy.expert:
+            taken.append(expert)
+        take_over(expert)
+
+    policy._take_over = spy  # type: ignore[method-assign]
+    replay(policy, keys)
+    return taken
+
+
+@pytest.mark.parametrize(("burst", "confirm", "expected"), [(2_000, None, []), (2_000, 1.0, [ARC, LRU])])
+def test_a_lead_of_a_few_capacities_needs_the_long_memory_to_agree(burst, confirm, expected) -> None:
+    """A scan burst (ARC's case) of five capacities between two long sliding windows: the
+    short memory alone switches to ARC and back (``confirm=1``); the long one keeps LRU."""
+    keys = (
+        recency_friendly(1)
+        + [k + 100_000 for k in scan_heavy(2)[:burst]]
+        + [k + 200_000 for k in recency_friendly(3)]
+    )
+    kwargs = {} if confirm is None else {"confirm": confirm}
+    assert switches(AdaptivePolicy(400, sample_bits=2, **kwargs), keys) == expected
+
+
+def test_a_lasting_lead_still_switches() -> None:
+    keys = recency_friendly(1) + [k + 100_000 for k in scan_heavy(2)]
+    assert switches(AdaptivePolicy(400, sample_bits=2), keys) == [ARC]
+
+
 def test_under_lru_it_makes_lrus_decisions() -> None:
     """With the referee silenced, the live list evicts exactly as ``LRUPolicy``, whole
     stores and pinned keys included."""
@@ -178,6 +211,8 @@ def test_bad_parameters_are_errors() -> None:
         make_policy("adaptive", 8, sample_bits=20)
     with pytest.raises(ValueError, match="horizon"):
         make_policy("adaptive", 8, horizon=0)
+    with pytest.raises(ValueError, match="confirm"):
+        make_policy("adaptive", 8, confirm=0.5)
 
 
 def test_kvtier_keys_are_sampled_by_a_hash_byte_the_same_in_every_process() -> None:
