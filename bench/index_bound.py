@@ -48,6 +48,7 @@ from bench.traces import (
     THINK_MEDIAN_MS,
     THINK_SIGMA,
     Request,
+    add_block_tokens_option,
     continuation_probability,
     generate,
     load_jsonl,
@@ -373,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         help="fit the 'fitted' table on another draw of the generator (seed + 1; the default for "
         "generated traces) or on the replayed trace itself (the only choice for 'real')",
     )
+    add_block_tokens_option(parser)
     args = parser.parse_args(argv)
     which = [b for b in args.bounds.split(",") if b]
     bad = [b for b in which if b not in BOUNDS]
@@ -387,10 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     fit_on = args.fit_on or ("same" if real else "other")
     if real and fit_on == "other":
         parser.error("there is one real trace: --fit-on other needs a generated trace")
-    trace = load_jsonl(REAL_TRACE) if real else generate(args.trace, seed=args.seed)
+    if real:
+        trace = load_jsonl(REAL_TRACE, block_tokens=args.trace_block_tokens)
+        source = f" --trace-block-tokens {args.trace_block_tokens or 0}"
+    else:
+        trace = generate(args.trace, seed=args.seed)
+        source = f" --seed {args.seed}"
     fit_trace = None if fit_on == "same" else generate(args.trace, seed=args.seed + 1)
-    seed = "" if real else f" --seed {args.seed}"
-    flags = f"--trace {args.trace}{seed} --bounds {','.join(which)} --fit-on {fit_on}"
+    flags = f"--trace {args.trace}{source} --bounds {','.join(which)} --fit-on {fit_on}"
     print(f"command: python -m bench.index_bound {flags}")
     for name, ratio in bounds(trace, which, fit_trace=fit_trace).items():
         note = ""

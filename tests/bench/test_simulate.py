@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 
@@ -10,7 +11,15 @@ import pytest
 from bench import traces
 from bench.policy import main
 from bench.simulate import TierSpec, device_prefix_hits, opt_hits, simulate
-from bench.traces import REAL_TRACE, Request, iter_jsonl, load_jsonl, trace_stats
+from bench.traces import (
+    REAL_TRACE,
+    TRACE_BLOCK_TOKENS,
+    Request,
+    add_block_tokens_option,
+    iter_jsonl,
+    load_jsonl,
+    trace_stats,
+)
 from bench.vllm_baseline import vllm_version
 
 POLICIES = ["lru", "slru", "arc", "s3fifo", "tinylfu", "cost", "prefix:lru", "prefix:arc", "prefix:tinylfu"]
@@ -229,3 +238,13 @@ def test_the_scheduler_table_drives_the_policy_directly_and_through_vllm(tmp_pat
     assert set(figures["drive_targets"]) == {"real-late@0.1", "real-late@0.2"}
     printed = capsys.readouterr().out
     assert "as vLLM drives it" in printed and "targets for the default" in printed
+
+
+def test_the_block_size_option_parses_at_the_edge() -> None:
+    parser = argparse.ArgumentParser()
+    add_block_tokens_option(parser)
+    assert parser.parse_args([]).trace_block_tokens == TRACE_BLOCK_TOKENS
+    assert parser.parse_args(["--trace-block-tokens", "0"]).trace_block_tokens is None  # keep every id
+    assert parser.parse_args(["--trace-block-tokens", "16"]).trace_block_tokens == 16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--trace-block-tokens", "-1"])
