@@ -539,11 +539,10 @@ class HostTierManager:
         lower = self.lower
         if lower.has_write_back:
             self._dirty.update(stored)
-            if lower.has_write_through:
-                self._copy_down(list(stored), on_evict=False)
-            self._write_back()  # rows stored near the eviction end start their way down now
-        elif lower.has_write_through:
+        if lower.has_write_through:
             self._copy_down(list(stored), on_evict=False)
+        if lower.has_write_back:
+            self._write_back()  # rows stored near the eviction end start their way down now
 
     def _complete_store_keywise(self, keys: list[OffloadKey], success: bool) -> dict[OffloadKey, None]:
         """``complete_store`` key by key: a failed store's rows are freed, keys that were not
@@ -688,14 +687,19 @@ class HostTierManager:
 
     def _drop(self, key: OffloadKey, *, removed_event: bool) -> None:
         """Free a row whose key the policy has already forgotten (no load or copy reads it)."""
-        self._allocators[key_group(key)].free([self._slots.pop(key)])
         ready = key not in self._unready
+        self._allocators[key_group(key)].free([self._forget(key)])
+        if removed_event and ready:
+            self._announce_removal(key)
+
+    def _forget(self, key: OffloadKey) -> int:
+        """Forget a row's state (no load or copy reads it); its slot, which the caller frees
+        or, where a tier may still write into it, keeps out of use."""
         self._unready.discard(key)
         self._promoting.discard(key)
         self._dirty.discard(key)
         self._layouts.pop(key, None)
-        if removed_event and ready:
-            self._announce_removal(key)
+        return self._slots.pop(key)
 
     def _drop_many(self, victims: list[OffloadKey]) -> None:
         """``_drop`` of readable rows no load or copy reads (evicted, or a reset), freeing each
@@ -812,11 +816,8 @@ class HostTierManager:
             group = key_group(key)
             self._policies[group].on_remove(key)
             if result.abandoned:  # the tier may still write into the slot: out of use until it says
-                slot = self._slots.pop(key)
-                self._unready.discard(key)
-                self._promoting.discard(key)
                 self.stats.quarantined_slots += 1
-                self._quarantined.setdefault(result.op_id, []).append((group, slot))
+                self._quarantined.setdefault(result.op_id, []).append((group, self._forget(key)))
             else:
                 self._drop(key, removed_event=False)
 
