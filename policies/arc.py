@@ -10,10 +10,11 @@ tier learns that one of its past victims was wanted.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
+from policies.lru import move_each_to_end_within
 
 
 class ARCPolicy(EvictionPolicy):
@@ -61,16 +62,7 @@ class ARCPolicy(EvictionPolicy):
             self._t2[key] = None
 
     def on_renew(self, keys: Sequence[Key]) -> None:
-        # Within its own list: a renewal is not a hit, so T1 -> T2 is not for it.
-        t1, t2 = self._t1, self._t2
-        if all(map(t2.__contains__, keys)):  # the usual call, a loaded prefix: in C
-            deque(map(t2.move_to_end, keys), 0)
-            return
-        for key in keys:
-            if key in t2:
-                t2.move_to_end(key)
-            elif key in t1:
-                t1.move_to_end(key)
+        move_each_to_end_within(self._t2, self._t1, keys)  # a renewal is no hit: T1 -> T2 is not for it
 
     def on_remove(self, key: Key) -> None:
         if key in self._t1:

@@ -19,6 +19,20 @@ def move_each_to_end(order: OrderedDict, keys: Sequence[Key]) -> None:
                 order.move_to_end(key)
 
 
+def move_each_to_end_within(frequent: OrderedDict, once: OrderedDict, keys: Sequence[Key]) -> None:
+    """``move_to_end`` of each key of ``keys``, in order, within whichever of two lists holds
+    it (a renewal of ARC's T2 / T1 or SLRU's segments: not a hit, so no key changes list).
+    In C when ``frequent`` holds every key (a renewed prefix, the usual call)."""
+    if all(map(frequent.__contains__, keys)):
+        deque(map(frequent.move_to_end, keys), 0)
+        return
+    for key in keys:
+        if key in frequent:
+            frequent.move_to_end(key)
+        elif key in once:
+            once.move_to_end(key)
+
+
 class LRUPolicy(EvictionPolicy):
     """Evicts the key whose last insert or hit is oldest.
 

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
+from policies.lru import move_each_to_end_within
 
 
 def segmented_hit(key: Key, probation: OrderedDict, protected: OrderedDict, protected_cap: int) -> bool:
@@ -61,12 +62,7 @@ class SLRUPolicy(EvictionPolicy):
         segmented_hit(key, self._probation, self._protected, self._protected_cap)
 
     def on_renew(self, keys: Sequence[Key]) -> None:
-        probation, protected = self._probation, self._protected
-        for key in keys:  # within its segment: a renewal is not a hit, so no promotion
-            if key in protected:
-                protected.move_to_end(key)
-            elif key in probation:
-                probation.move_to_end(key)
+        move_each_to_end_within(self._protected, self._probation, keys)  # a renewal is no hit: no promotion
 
     def on_remove(self, key: Key) -> None:
         if key in self._probation:
