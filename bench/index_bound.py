@@ -42,6 +42,7 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
+from bench.learned_policies.hit_density import HitDensityPolicy
 from bench.simulate import Tier, TierChain, device_prefix_hits
 from bench.traces import (
     REAL_TRACE,
@@ -55,7 +56,6 @@ from bench.traces import (
     trace_stats,
 )
 from policies.base import Key
-from policies.hit_density import HitDensityPolicy
 from policies.placement import make_placement
 
 EDGES_MS = (

@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.learned_policies import LEARNED_POLICIES
 from bench.policy_drive import drive_targets, print_drive, print_drive_targets, run_drive
 from bench.report import write_json
 from bench.simulate import SimResult, TierSpec, device_prefix_hits, opt_hits, simulate
@@ -54,6 +55,7 @@ from policies.registry import DEFAULT_POLICY, builtin_policies
 
 POLICIES = (
     *builtin_policies(),
+    *LEARNED_POLICIES,
     "prefix:lru",
     "prefix:arc",
     "prefix:s3fifo",

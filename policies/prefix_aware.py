@@ -28,7 +28,7 @@ chain it continues. A run that branches off an interior block (a new conversatio
 shared system prompt) inherits nothing. ``inherit=0`` turns this off.
 
 The chains themselves are a ``PrefixForest`` (``policies/prefix_forest.py``), shared with
-``lhd``.
+the benchmark's ``lhd`` (``bench.learned_policies``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The resident keys of a tier as a forest of prefix chains: who follows whom, who is orphaned.
 
-A block is only ever hit as part of a prefix, so chain-aware policies (``prefix:*``,
-``lhd``) need the same three facts about every resident key: its predecessor, the resident
-keys that follow it, and whether its predecessor was here and left (an *orphan*: it cannot
-be hit again until the predecessor comes back). ``lhd`` also samples chain *tails*
-(resident keys no resident key follows), kept here in O(1) per change when asked for.
+A block is only ever hit as part of a prefix, so chain-aware policies (``prefix:*``, and the
+benchmark's ``lhd`` and ``hazard`` in ``bench.learned_policies``) need the same three facts
+about every resident key: its predecessor, the resident keys that follow it, and whether its
+predecessor was here and left (an *orphan*: it cannot be hit again until the predecessor
+comes back). ``lhd`` also samples chain *tails* (resident keys no resident key follows),
+kept here in O(1) per change when asked for.
 
 Children are indexed by predecessor whether or not the predecessor is resident, so a
 predecessor stored again finds its children and un-orphans them.

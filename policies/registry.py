@@ -8,8 +8,8 @@ Built-in names: ``lru``, ``adaptive`` (LRU or ARC, whichever sampled shadows of 
 say is winning now), ``slru``, ``arc``, ``arc-vllm`` (ARC as vLLM's ``arc``
 runs it), ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
 ``tinylfu-adaptive`` (its window sized by hill climbing, as in Caffeine), ``cost`` (alias
-``cost-aware``), ``lhd`` (least hit density; prefix-aware by itself), ``hazard`` (hit
-density learned from the whole key stream, ghosts included; prefix-aware by itself). Any
+``cost-aware``). (``lhd`` and ``hazard`` moved to ``bench.learned_policies``: too slow for
+vLLM's scheduler thread; their bare names are an error that gives their class paths.) Any
 of them, or a module path, wrapped in prefix-aware eviction
 (``policies.prefix_aware.PrefixAware``): ``"prefix:<name>"``, e.g. ``"prefix:arc"`` or
 ``"prefix:my_pkg.policies:MyPolicy"``. The parameters go to the inner policy, except
@@ -28,8 +28,6 @@ from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
 from policies.arc import ARCPolicy, VLLMARCPolicy
 from policies.base import EvictionPolicy
 from policies.cost_aware import CostAwarePolicy
-from policies.hazard import ReuseHazardPolicy
-from policies.hit_density import HitDensityPolicy
 from policies.lru import LRUPolicy
 from policies.prefix_aware import PrefixAware
 from policies.s3fifo import S3FIFOPolicy
@@ -46,11 +44,15 @@ _CLASSES = (
     TinyLFUPolicy,
     AdaptiveTinyLFUPolicy,
     CostAwarePolicy,
-    HitDensityPolicy,
-    ReuseHazardPolicy,
 )
 _BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in _CLASSES}
 _ALIASES = {"w-tinylfu": TinyLFUPolicy.name, "cost-aware": CostAwarePolicy.name}
+MOVED_TO_BENCH = {
+    "lhd": "bench.learned_policies.hit_density:HitDensityPolicy",
+    "hazard": "bench.learned_policies.hazard:ReuseHazardPolicy",
+}
+"""Former built-ins now kept as benchmark references, and the class path that still selects
+each (``bench.learned_policies`` says why they left; importing ``bench`` registers them)."""
 PREFIX = "prefix:"
 DEFAULT_POLICY = "adaptive"
 """The host tier's policy when the configuration names none (``tiers[].eviction``,
@@ -89,6 +91,13 @@ def resolve_policy(name: str) -> type[EvictionPolicy]:
     name = _ALIASES.get(name, name)
     if name in _BUILTIN:
         return _BUILTIN[name]
+    if name in MOVED_TO_BENCH:
+        raise ValueError(
+            f"eviction policy {name!r} is a benchmark reference, not a kvtier policy: it runs "
+            "far under vLLM's own policies' speed on the scheduler thread "
+            "(docs/policies.md#learned-policies-are-benchmark-references); "
+            f"give {MOVED_TO_BENCH[name]!r} to use it anyway"
+        )
     if name.startswith(PREFIX):
         raise ValueError(f"eviction policy {name!r}: a prefix-aware policy is built by make_policy")
     module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from bench.learned_policies import LEARNED_POLICIES
 from policies.registry import builtin_policies
 
-# Every built-in policy, and each wrapped in prefix-aware eviction.
-BASE_POLICIES = builtin_policies()
+# Every built-in policy and the benchmark's learned ones (the same contract), and each
+# wrapped in prefix-aware eviction.
+BASE_POLICIES = builtin_policies() + list(LEARNED_POLICIES)
 ALL_POLICIES = BASE_POLICIES + [f"prefix:{name}" for name in BASE_POLICIES]
 
 

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.learned_policies import LEARNED_POLICIES
 from policies import make_policy
 from tests.policies.conftest import ALL_POLICIES, BASE_POLICIES
 
@@ -63,7 +64,7 @@ def test_resident_set_matches_a_set_model(name: str, capacity: int, script: list
 # lhd and hazard (an lhd) are left out on purpose: within one call they keep the samples
 # they did not take as candidates for the next victim, so a batch is not n calls of one
 # (it is cheaper).
-DETERMINISTIC_ORDER = [name for name in BASE_POLICIES if name not in ("lhd", "hazard")]
+DETERMINISTIC_ORDER = [name for name in BASE_POLICIES if name not in LEARNED_POLICIES]
 
 
 @settings(max_examples=60, deadline=None)

@@ -86,3 +86,19 @@ def test_bad_names_and_parameters_are_value_errors_naming_the_policy(
 def test_capacity_must_be_a_positive_row_count(capacity: object) -> None:
     with pytest.raises(ValueError, match="capacity"):
         make_policy("arc", capacity)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["lhd", "hazard"])
+def test_a_policy_moved_to_the_benchmark_is_an_error_that_gives_its_class_path(name: str) -> None:
+    """In a process that has not imported ``bench`` (a user's engine), the bare name of a
+    learned policy is refused with the class path that still selects it; that path builds it."""
+    import subprocess
+    import sys
+
+    from policies.registry import MOVED_TO_BENCH
+
+    probe = f"from policies import make_policy\nmake_policy({name!r}, 8)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    assert done.returncode != 0
+    assert "is a benchmark reference" in done.stderr and MOVED_TO_BENCH[name] in done.stderr
+    assert make_policy(MOVED_TO_BENCH[name], 8).name == name

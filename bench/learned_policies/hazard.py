@@ -49,8 +49,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from bench.learned_policies.hit_density import HitDensityPolicy
 from policies.base import EvictionPolicy, Key
-from policies.hit_density import HitDensityPolicy
 
 RUN_CLASSES = 6
 """Run-length buckets: < 4, < 8, < 16, < 32, < 64, >= 64 blocks."""

@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.learned_policies.hit_density import HitDensityPolicy
 from policies import make_policy
-from policies.hit_density import HitDensityPolicy
 from tests.policies.conftest import replay
 
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.learned_policies.hazard import RUN_CLASSES, ReuseHazardPolicy, run_class
 from policies import make_policy
 from policies.base import EvictionPolicy
-from policies.hazard import RUN_CLASSES, ReuseHazardPolicy, run_class
 from tests.policies.conftest import replay
 
 
