@@ -86,8 +86,19 @@ class TraceReport:
     seconds: float = 0.0
 
     def best(self) -> tuple[str, float]:
-        name = max(self.policies, key=lambda p: self.policies[p])
-        return name, self.policies[name]
+        """The best policy a configuration can name (the learned references only where the
+        run had no other): what the targets and the two-tier chain use."""
+        shipped = {p: v for p, v in self.policies.items() if p not in LEARNED_POLICIES} or self.policies
+        name = max(shipped, key=lambda p: shipped[p])
+        return name, shipped[name]
+
+    def best_reference(self) -> tuple[str, float] | None:
+        """The best of the benchmark's learned references in this run, if any ran."""
+        learned = {p: v for p, v in self.policies.items() if p in LEARNED_POLICIES}
+        if not learned:
+            return None
+        name = max(learned, key=lambda p: learned[p])
+        return name, learned[name]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -300,7 +311,9 @@ def print_trace(report: TraceReport, fraction_note: str, flush: bool = False) ->
         print(line)
     print(f"   {'OPT (Belady)':<18}{_pct(report.opt):>10}")
     best, value = report.best()
-    print(f"   best kvtier: {best} {_pct(value).strip()}")
+    reference = report.best_reference()
+    learned = f" (learned reference: {reference[0]} {_pct(reference[1]).strip()})" if reference else ""
+    print(f"   best kvtier: {best} {_pct(value).strip()}{learned}")
     chain = report.chain
     per_tier = ", ".join(f"{n} {_pct(v).strip()}" for n, v in chain["hit_ratio"].items())
     print(

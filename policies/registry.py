@@ -56,11 +56,13 @@ each (``bench.learned_policies`` says why they left; importing ``bench`` registe
 PREFIX = "prefix:"
 DEFAULT_POLICY = "adaptive"
 """The host tier's policy when the configuration names none (``tiers[].eviction``,
-``eviction_policy``). ``kvtier bench policy``'s scheduler table (docs/policies.md): within
-0.5% of vLLM's better policy on its five traces and 3.4% on nine held out, and far over
-it where one expert leads (+40-63% at small hosts on agentic and production traces, scans
-kept out), at 1.9-2.3x vLLM ``arc``'s calls/s. ``lru`` (vLLM's default) runs faster but
-loses up to 8% on those traces and half the hits on a scan-heavy one."""
+``eviction_policy``). ``kvtier bench policy``'s table, driven as vLLM's scheduler drives a
+manager (docs/policies.md#what-a-vllm-user-gets): at or over vLLM's better policy in 13 of
+its 15 cells (2.9% under at worst, on the production trace's cold second half) and within
+2.4% on 27 held out, and far over it where ARC's split leads (+28-49% at host 5% on the
+agentic and production traces), at 2.0-2.7x vLLM ``arc``'s calls/s. ``lru`` (vLLM's
+default) runs faster but loses up to 11% to vLLM ``arc`` on those traces and half the hits
+on a scan-heavy one."""
 LOWER_TIER_POLICY = "lru"
 """The policy of a tier below the host tier when its table names none: such a tier sees
 only the host tier's victims, and a call there costs far less than its I/O."""

@@ -1,6 +1,6 @@
 """Reuse hazard: hit density learned from the whole key stream, ghosts included.
 
-LHD (``policies.hit_density``) learns "how often is a block of this class and age hit?"
+LHD (``bench.learned_policies.hit_density``) learns "how often is a block of this class and age hit?"
 from the tier's own history, so it only ever sees a block come back while the tier still
 holds it: a block it evicted at age 300 that the next turn asked for at age 400 counts as
 an eviction, never as a hit at 400. In chat traffic that is the case that matters: the

@@ -205,7 +205,7 @@ def test_a_gain_over_vllm_that_even_opt_misses_is_flagged_out_of_reach() -> None
     from bench.policy import TraceReport, targets
 
     def report(arc: float, opt: float) -> TraceReport:
-        return TraceReport("agentic", {}, 1, 1, 0.0, policies={"hazard": 0.705}, vllm={"arc": arc}, opt=opt)
+        return TraceReport("agentic", {}, 1, 1, 0.0, policies={"adaptive": 0.705}, vllm={"arc": arc}, opt=opt)
 
     saturated = targets({"agentic": report(arc=0.70, opt=0.7332)})["agentic"]
     assert saturated["gain_beyond_opt"] and not saturated["beats_vllm_arc_by_10pct"]
@@ -248,3 +248,20 @@ def test_the_block_size_option_parses_at_the_edge() -> None:
     assert parser.parse_args(["--trace-block-tokens", "16"]).trace_block_tokens == 16
     with pytest.raises(SystemExit):
         parser.parse_args(["--trace-block-tokens", "-1"])
+
+
+def test_the_targets_judge_policies_a_configuration_can_name_not_the_learned_references() -> None:
+    from bench.policy import TraceReport, targets
+
+    def report(policies: dict[str, float]) -> TraceReport:
+        return TraceReport("agentic", {}, 1, 1, 0.0, policies=policies, vllm={"arc": 0.40}, opt=0.60)
+
+    mixed = report({"hazard": 0.49, "lhd": 0.47, "adaptive": 0.43, "lru": 0.40})
+    assert mixed.best() == ("adaptive", 0.43) and mixed.best_reference() == ("hazard", 0.49)
+    entry = targets({"agentic": mixed})["agentic"]
+    assert entry["best"] == "adaptive" and not entry["beats_vllm_arc_by_10pct"]
+    # Only references ran (``--policies hazard``): they are what there is to report.
+    alone = report({"hazard": 0.49})
+    assert alone.best() == ("hazard", 0.49)
+    assert targets({"agentic": alone})["agentic"]["beats_vllm_arc_by_10pct"]
+    assert report({"lru": 0.40}).best_reference() is None
