@@ -363,14 +363,9 @@ class HostTierManager:
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         pins, loaded = self._pins, 0
         for key in keys:
-            count = pins.get(key)
-            if count is None:
+            if not _release(pins, key):
                 log.warning("complete_load: key %s was not being loaded", key.hex())
                 continue
-            if count == 1:
-                del pins[key]
-            else:
-                pins[key] = count - 1
             loaded += 1
         self.stats.loaded_rows += loaded
 
@@ -848,13 +843,10 @@ class HostTierManager:
         write_back = self.lower.writes_back(result.tier)
         for key, ok in zip(result.keys, result.ok, strict=True):
             key = OffloadKey(key)
-            if key in self._readers and not result.abandoned:  # an abandoned copy may still read the row
-                if self._readers[key] == 1:
-                    del self._readers[key]
-                else:
-                    self._readers[key] -= 1
-                if write_back:
-                    self._dirty.discard(key)  # copied, or failed and not worth retrying
+            # An abandoned copy may still read the row: its read stays counted.
+            released = not result.abandoned and _release(self._readers, key)
+            if released and write_back:
+                self._dirty.discard(key)  # copied, or failed and not worth retrying
             if ok:
                 self._events.stored_below.setdefault(medium, {})[key] = None
 
@@ -880,6 +872,19 @@ class HostTierManager:
 
 def _nothing_below() -> None:
     """``poll`` of a host-only manager: nothing below to send or apply."""
+
+
+def _release(counts: dict[OffloadKey, int], key: OffloadKey) -> bool:
+    """One holder of ``key`` (a load's pin, a copy's read) is done: count it down, forget the
+    key at zero. ``False`` if nothing held it."""
+    count = counts.get(key)
+    if count is None:
+        return False
+    if count == 1:
+        del counts[key]
+    else:
+        counts[key] = count - 1
+    return True
 
 
 def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
