@@ -1,4 +1,4 @@
-"""LRU or ARC, whichever is winning: the live expert's own lists, two sampled shadows.
+"""LRU or ARC, whichever is winning: the live expert's own lists, sampled shadows.
 
 No single simple policy wins everywhere (``kvtier bench policy``): on chat traces whose old
 turns never come back plain LRU beats ARC by up to 16%; on agentic and production traces at
@@ -23,6 +23,14 @@ leader on noise, or on a lead that lasts a few capacities, made it switch often 
 two experts are close, and each switch costs the order the cache had built (the regret
 argument of LeCaR and CACHEUS holds only when the experts' states do not depend on who
 evicts). ARC taking over starts from its shadow's target, scaled.
+
+``adaptive-ghosts`` (``SizedGhostsAdaptivePolicy``) sizes ARC's ghosts the same way: three
+more shadows each run this policy's own ARC (``_ShadowLiveARC``) with ghost generations of
+one of ``SIZED_GHOSTS`` capacities, on the same sampled requests, and the live ghosts take
+the size of whichever leads the current one by ``SWITCH_Z`` (``_GhostReferee``). How long
+an evicted key is remembered decides which returns count as frequent and move ARC's target,
+and the best size differs by workload: a quarter of a capacity on agentic traces, two on
+the production trace and on scans.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import count, repeat
+from typing import Any
 
 from policies.arc import ARCPolicy
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
@@ -57,6 +66,20 @@ CONFIRM_Z = 1.0
 """How far ahead, in standard deviations of its noise, the long memory must put the other
 expert: one, as a confirmation, not a second test (two lost real-early 5%'s gain)."""
 CONFIRM_Z2 = CONFIRM_Z * CONFIRM_Z
+GHOST_SIZES = (0.5,)
+"""The sizes of ARC's ghost generations, in capacities, that a ghost referee chooses among,
+starting from the middle one; one size (the default: half a capacity) needs no referee."""
+SIZED_GHOSTS = (0.25, 0.5, 2.0)
+"""``adaptive-ghosts``' sizes. Which keys count as back from a ghost (frequent, and moving
+ARC's target) decides much of ARC's split, and no one size wins: on ``kvtier bench
+policy``'s traces at host 10%, a quarter of a capacity gained 11% over vLLM ``arc`` on
+agentic and lost 4% on the production trace, two capacities the reverse (docs/policies.md).
+Chosen on the table's five traces and the held-out ones together, among 0.25 / 0.5 / 1 and
+0.25 / 0.5 / 2 (and two- and four-size sets): the doubled ghost gained most on the
+production trace and scans without a cell lost. Not the default: the three shadows cost
+about 8% of the policy's calls/s as vLLM drives it (up to 18% in one cell), which the
+default's margin over 2x vLLM ``arc``'s does not hold (running them a quarter of the time
+lost the gain)."""
 MIN_SHADOW = 16
 """Shadow caches hold at least this many rows (a tiny tier is sampled more coarsely)."""
 
@@ -110,7 +133,7 @@ def _by_last_use(t1: OrderedDict[Key, int], t2: OrderedDict[Key, int]) -> Iterat
 
 
 class AdaptivePolicy(EvictionPolicy):
-    """The live expert's own lists, one set of ghosts, and two shadows.
+    """The live expert's own lists, one set of ghosts, and the referees' shadows.
 
     Only the expert that evicts keeps its lists, so a call costs about what that expert
     costs alone (keeping every expert's order at once was most of the time per call of this
@@ -124,12 +147,14 @@ class AdaptivePolicy(EvictionPolicy):
 
     Either expert's victims become ghosts, marked with the list they left (``True``: ARC's
     ``B2``), in two generations of plain dicts: the younger takes victims, the older is
-    dropped whole when the younger reaches ``capacity / 2``, so there are ``capacity``
-    ghosts at most and remembering or forgetting one costs no Python call (ARC's ordered
-    ghost lists, trimmed one key at a time, were a quarter of its time per call). A key
-    back from a ghost is frequent; under ARC it moves ``p`` as ARC's ghost hits do, by
-    the two kinds' counts. Without ghosts and marks under LRU, ARC taking over started
-    from a worse split: 1.5-8% fewer hits on the scan and chat traces.
+    dropped whole when the younger reaches the generation size (``ghost_size`` capacities:
+    half of one, unless a ghost referee chooses), so there are two generations' worth of
+    ghosts at most (four capacities at ``adaptive-ghosts``' largest) and remembering or
+    forgetting one costs no Python call (ARC's ordered ghost lists, trimmed one key at a
+    time, were a quarter of its time per call). A key back from a ghost is frequent; under
+    ARC it moves ``p`` as ARC's ghost hits do, by the two kinds' counts. Without ghosts and
+    marks under LRU, ARC taking over started from a worse split: 1.5-8% fewer hits on the
+    scan and chat traces.
 
     A switch rebuilds the other expert's lists in O(resident keys): the marks split the
     LRU list into ``T1`` and ``T2``, the stamps merge them back into one list by last use.
@@ -146,6 +171,7 @@ class AdaptivePolicy(EvictionPolicy):
         sample_bits: int = SAMPLE_BITS,
         horizon: float = HORIZON,
         confirm: float = CONFIRM,
+        ghost_sizes: Sequence[float] = GHOST_SIZES,
     ) -> None:
         super().__init__(capacity)
         if not 0 <= sample_bits <= 16:
@@ -154,6 +180,9 @@ class AdaptivePolicy(EvictionPolicy):
             raise ValueError(f"horizon must be positive, got {horizon!r}")
         if not confirm >= 1:
             raise ValueError(f"confirm must be at least 1 (the horizon), got {confirm!r}")
+        ghost_sizes = tuple(ghost_sizes)
+        if not ghost_sizes or not all(isinstance(m, int | float) and 0 < m <= 8 for m in ghost_sizes):
+            raise ValueError(f"ghost_sizes must be capacities in (0, 8], at least one, got {ghost_sizes!r}")
         self._order: OrderedDict[Key, bool] = OrderedDict()  # under LRU
         self._t1: OrderedDict[Key, int] = OrderedDict()  # under ARC
         self._t2: OrderedDict[Key, int] = OrderedDict()
@@ -162,11 +191,19 @@ class AdaptivePolicy(EvictionPolicy):
         self._ghosts: dict[Key, bool] = {}  # key -> left T2 (or was marked): the younger generation
         self._ghosts_old: dict[Key, bool] = {}
         self._ghosts_b2 = 0  # how many of both generations are marked: kept under ARC only
-        self._generation = max(1, capacity // 2)
         self._mask = (1 << sample_bits) - 1
         shadow = max(MIN_SHADOW, capacity >> sample_bits)
         self._lru_shadow = _ShadowLRU(shadow)
         self._arc_shadow = _ShadowARC(shadow)
+        self._ghost_sizes = ghost_sizes
+        self._ghost_start = len(ghost_sizes) // 2
+        self._ghost_shadows = (
+            tuple(_ShadowLiveARC(shadow, max(1, int(shadow * m))) for m in ghost_sizes)
+            if len(ghost_sizes) > 1
+            else ()
+        )
+        self._ghost_referee = _GhostReferee(len(ghost_sizes), self._ghost_start)
+        self._generation = max(1, int(capacity * ghost_sizes[self._ghost_start]))
         self._decay = 1.0 - 1.0 / (horizon * shadow)
         self._long_decay = 1.0 - 1.0 / (confirm * horizon * shadow)
         self._scale = capacity / shadow
@@ -202,6 +239,15 @@ class AdaptivePolicy(EvictionPolicy):
             ahead = long_scores[other] - long_scores[self.expert]
             if ahead > 0 and ahead * ahead > CONFIRM_Z2 * long_apart:
                 self._take_over(other)
+        if self._ghost_shadows:
+            size = self._ghost_referee.request([shadow.request(key) for shadow in self._ghost_shadows], decay)
+            if size is not None:
+                self._generation = max(1, int(self.capacity * self._ghost_sizes[size]))
+
+    @property
+    def ghost_size(self) -> float:
+        """The size of ARC's ghost generations now, in capacities (one of ``ghost_sizes``)."""
+        return self._ghost_sizes[self._ghost_referee.current]
 
     def _take_over(self, expert: int) -> None:
         """Make ``expert`` the one that evicts, its lists rebuilt from the other's.
@@ -369,7 +415,8 @@ class AdaptivePolicy(EvictionPolicy):
         return chosen
 
     def ghost_count(self) -> int:
-        """Keys remembered after eviction: ``capacity`` and one store's victims at most."""
+        """Keys remembered after eviction: two ghost generations (``2 * ghost_size``
+        capacities) and one store's victims at most."""
         return len(self._ghosts) + len(self._ghosts_old)
 
     def __contains__(self, key: object) -> bool:
@@ -389,11 +436,28 @@ class AdaptivePolicy(EvictionPolicy):
         self.p = 0.0
         self._lru_shadow.clear()
         self._arc_shadow.clear()
+        for ghost_shadow in self._ghost_shadows:
+            ghost_shadow.clear()
+        self._ghost_referee = _GhostReferee(len(self._ghost_sizes), self._ghost_start)
+        self._generation = max(1, int(self.capacity * self._ghost_sizes[self._ghost_start]))
         self.scores = [0.0, 0.0]
         self.apart = 0.0
         self.long_scores = [0.0, 0.0]
         self.long_apart = 0.0
         self.expert = LRU
+
+
+class SizedGhostsAdaptivePolicy(AdaptivePolicy):
+    """``adaptive`` that also chooses the size of ARC's ghosts among ``SIZED_GHOSTS`` by three
+    more sampled shadows: more hits where ARC leads (``kvtier bench policy``: +11% over vLLM
+    ``arc`` on agentic at host 10% where ``adaptive`` gets +7.5%, +6.6% on the production
+    trace where it gets +3.8%), at about 0.9x its calls/s."""
+
+    name = "adaptive-ghosts"
+
+    def __init__(self, capacity: int, **params: Any) -> None:
+        params.setdefault("ghost_sizes", SIZED_GHOSTS)
+        super().__init__(capacity, **params)
 
 
 class _ShadowLRU(LRUPolicy):
@@ -452,3 +516,124 @@ class _ShadowARC(ARCPolicy):
         else:
             t1[key] = None
         return False
+
+
+class _ShadowLiveARC:
+    """``AdaptivePolicy``'s own ARC at a shadow's size, with ghost generations of
+    ``generation`` keys: what the live expert would hit with that ghost size.
+
+    ``request`` is a whole request (hit; or evict one when full, then insert), with the live
+    expert's rules: a victim from ``T1`` while ``|T1| > p`` (else ``T2``) becomes a ghost
+    marked with its list; a full younger generation ages and the older is forgotten; a key
+    back from a ghost is frequent and moves ``p`` by the ghost counts.
+    ``tests/policies/test_adaptive.py`` holds it in lockstep with ``AdaptivePolicy``.
+    """
+
+    __slots__ = ("_b2", "_generation", "_ghosts", "_ghosts_old", "_t1", "_t2", "capacity", "p")
+
+    def __init__(self, capacity: int, generation: int) -> None:
+        self.capacity = capacity
+        self._generation = generation
+        self._t1: OrderedDict[Key, None] = OrderedDict()
+        self._t2: OrderedDict[Key, None] = OrderedDict()
+        self._ghosts: dict[Key, bool] = {}
+        self._ghosts_old: dict[Key, bool] = {}
+        self._b2 = 0  # marked ghosts (left T2), both generations
+        self.p = 0.0
+
+    def request(self, key: Key) -> bool:
+        """Replay one request; whether it hit."""
+        t1, t2 = self._t1, self._t2
+        if key in t2:
+            t2.move_to_end(key)
+            return True
+        if key in t1:
+            del t1[key]
+            t2[key] = None
+            return True
+        ghosts = self._ghosts
+        if len(t1) + len(t2) >= self.capacity:
+            if t1 and (len(t1) > self.p or not t2):
+                ghosts[t1.popitem(last=False)[0]] = False
+            else:
+                ghosts[t2.popitem(last=False)[0]] = True
+                self._b2 += 1
+            if len(ghosts) >= self._generation:
+                self._b2 -= sum(self._ghosts_old.values())
+                self._ghosts_old, self._ghosts = ghosts, {}
+                ghosts = self._ghosts
+        mark = ghosts.pop(key, None)
+        if mark is None:
+            mark = self._ghosts_old.pop(key, None)
+            if mark is None:
+                t1[key] = None
+                return False
+        b2 = self._b2 = self._b2 - mark
+        b1 = len(ghosts) + len(self._ghosts_old) - b2
+        if mark:
+            self.p = max(0.0, self.p - max(1.0, b1 / (b2 + 1)))
+        else:
+            self.p = min(float(self.capacity), self.p + max(1.0, b2 / (b1 + 1)))
+        t2[key] = None
+        return False
+
+    def clear(self) -> None:
+        for part in (self._t1, self._t2, self._ghosts, self._ghosts_old):
+            part.clear()
+        self._b2 = 0
+        self.p = 0.0
+
+
+class _GhostReferee:
+    """Which of ``n`` ghost shadows to follow: a switch when another's decayed hits lead the
+    current one's by ``SWITCH_Z`` standard deviations of their disagreements.
+
+    Only where the shadows disagree does anything but the decay change, so the decay is
+    applied lazily: the counts are kept multiplied by ``scale`` (which grows by ``1 /
+    decay`` a request) and a request on which every shadow hit, or none did, costs one
+    multiplication. ``leads[i]``: shadow ``i``'s hits minus the current one's;
+    ``apart[i]``: requests on which the two differed (both scaled, and kept since the last
+    switch, when the evidence starts over).
+    """
+
+    __slots__ = ("apart", "current", "leads", "scale")
+
+    def __init__(self, n: int, current: int) -> None:
+        self.current = current
+        self.leads = [0.0] * n
+        self.apart = [0.0] * n
+        self.scale = 1.0
+
+    def request(self, hits: list[bool], decay: float) -> int | None:
+        """Count one request's hits (one per shadow); the shadow to follow now, if it changed."""
+        self.scale = scale = self.scale / decay
+        hit = hits[self.current]
+        if hit:
+            if all(hits):
+                return self._rescaled()
+        elif not any(hits):
+            return self._rescaled()
+        leads, apart, best, best_lead = self.leads, self.apart, None, 0.0
+        for i, other in enumerate(hits):
+            if other != hit:
+                apart[i] += scale
+                leads[i] += scale if other else -scale
+                lead = leads[i]
+                if other and lead > best_lead and lead * lead > SWITCH_Z2 * apart[i] * scale:
+                    best, best_lead = i, lead
+        if best is None:
+            return self._rescaled()
+        self.current = best
+        self.leads = [lead - best_lead for lead in leads]
+        self.apart = [0.0] * len(hits)
+        return best
+
+    def _rescaled(self) -> None:
+        """Fold ``scale`` back into the counts before it overflows (every few thousand
+        requests at the smallest shadows)."""
+        if self.scale > 1e100:
+            inverse = 1.0 / self.scale
+            self.leads = [lead * inverse for lead in self.leads]
+            self.apart = [a * inverse for a in self.apart]
+            self.scale = 1.0
+        return None

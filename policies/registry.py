@@ -5,12 +5,12 @@ alpha=0.5)``. Every failure is a ``ValueError`` that names the policy and what i
 the configuration layer can report the key and value at fault.
 
 Built-in names: ``lru``, ``adaptive`` (LRU or ARC, whichever sampled shadows of the two
-say is winning now), ``slru``, ``arc``, ``arc-vllm`` (ARC as vLLM's ``arc``
-runs it), ``s3fifo``, ``tinylfu`` (alias ``w-tinylfu``),
-``tinylfu-adaptive`` (its window sized by hill climbing, as in Caffeine), ``cost`` (alias
-``cost-aware``). (``lhd`` and ``hazard`` moved to ``bench.learned_policies``: too slow for
-vLLM's scheduler thread; their bare names are an error that gives their class paths.) Any
-of them, or a module path, wrapped in prefix-aware eviction
+say is winning now), ``adaptive-ghosts`` (the same, ARC's ghost size chosen by shadows
+too), ``slru``, ``arc``, ``arc-vllm`` (ARC as vLLM's ``arc`` runs it), ``s3fifo``,
+``tinylfu`` (alias ``w-tinylfu``), ``tinylfu-adaptive`` (its window sized by hill climbing,
+as in Caffeine), ``cost`` (alias ``cost-aware``). (``lhd`` and ``hazard`` moved to
+``bench.learned_policies``: too slow for vLLM's scheduler thread; their bare names are an
+error that gives their class paths.) Any of them, or a module path, wrapped in prefix-aware eviction
 (``policies.prefix_aware.PrefixAware``): ``"prefix:<name>"``, e.g. ``"prefix:arc"`` or
 ``"prefix:my_pkg.policies:MyPolicy"``. The parameters go to the inner policy, except
 ``search_limit`` and ``inherit``, which are the wrapper's. The name ``prefix`` is therefore
@@ -23,7 +23,7 @@ import importlib
 import inspect
 from typing import Any
 
-from policies.adaptive import AdaptivePolicy
+from policies.adaptive import AdaptivePolicy, SizedGhostsAdaptivePolicy
 from policies.adaptive_tinylfu import AdaptiveTinyLFUPolicy
 from policies.arc import ARCPolicy, VLLMARCPolicy
 from policies.base import EvictionPolicy
@@ -37,6 +37,7 @@ from policies.tinylfu import TinyLFUPolicy
 _CLASSES = (
     LRUPolicy,
     AdaptivePolicy,
+    SizedGhostsAdaptivePolicy,
     SLRUPolicy,
     ARCPolicy,
     VLLMARCPolicy,

@@ -133,6 +133,25 @@ def _arc_state(arc: ARCPolicy) -> tuple:
     return (*(list(part) for part in (arc._t1, arc._t2, arc._b1, arc._b2)), arc.p)
 
 
+def _parts_from(shadow, reference, keys, state) -> bool:
+    """Replay ``keys`` in a shadow (``request``) and in a policy (a miss: ``evict(1)`` when
+    full, then ``on_insert``); whether ``state`` of the two ever differs. While it does not,
+    the shadow must report the policy's hits."""
+    for key in keys:
+        hit = key in reference
+        if hit:
+            reference.on_access(key)
+        else:
+            if len(reference) >= reference.capacity:
+                assert reference.evict(1) is not None
+            reference.on_insert(key)
+        shadow_hit = shadow.request(key)
+        if state(shadow) != state(reference):
+            return True
+        assert shadow_hit == hit
+    return False
+
+
 def test_the_referees_arc_makes_arcpolicys_decisions() -> None:
     """The shadow ARC's inlined request decides as ``ARCPolicy``'s own calls do (a miss:
     ``evict(1)`` when full, then ``on_insert``), list by list and ``p`` after every request;
@@ -143,21 +162,7 @@ def test_the_referees_arc_makes_arcpolicys_decisions() -> None:
 
     keys = scan_heavy(4)[:20_000]
     for reference, parts in ((ARCPolicy(64), False), (VLLMARCPolicy(64), True)):
-        shadow = _ShadowARC(64)
-        apart = False
-        for key in keys:
-            hit = key in reference
-            if hit:
-                reference.on_access(key)
-            else:
-                if len(reference) >= 64:
-                    assert reference.evict(1) is not None
-                reference.on_insert(key)
-            assert shadow.request(key) == hit or parts
-            if _arc_state(shadow) != _arc_state(reference):
-                apart = True
-                break
-        assert apart == parts
+        assert _parts_from(_ShadowARC(64), reference, keys, _arc_state) == parts
 
 
 def test_a_switch_keeps_every_key_and_the_order_of_last_use() -> None:
@@ -198,7 +203,7 @@ def test_lists_stay_disjoint_and_ordered_and_ghosts_bounded() -> None:
         assert not (set(policy._ghosts) | set(policy._ghosts_old)) & set(policy)
         if policy.expert == ARC:  # the count ARC's ghost rule reads
             assert policy._ghosts_b2 == sum(policy._ghosts.values()) + sum(policy._ghosts_old.values())
-        assert policy.ghost_count() <= 64 + 1
+        assert policy.ghost_count() <= 2 * policy._generation + 1
         if not experts or experts[-1] != policy.expert:
             experts.append(policy.expert)
     assert experts.count(ARC) >= 3  # the referee took ARC in every scan phase
@@ -213,6 +218,86 @@ def test_bad_parameters_are_errors() -> None:
         make_policy("adaptive", 8, horizon=0)
     with pytest.raises(ValueError, match="confirm"):
         make_policy("adaptive", 8, confirm=0.5)
+    for bad in ((), (0.5, 0.0), (float("nan"),), (0.5, 9.0), ("0.5",)):
+        with pytest.raises(ValueError, match="ghost_sizes"):
+            make_policy("adaptive", 8, ghost_sizes=bad)
+
+
+def _live_arc_state(policy) -> tuple:
+    """The live ARC's lists in order, its target and its ghosts (both generations, marked)."""
+    return list(policy._t1), list(policy._t2), policy.p, {**policy._ghosts_old, **policy._ghosts}
+
+
+@pytest.mark.parametrize(("generation", "parts"), [(32, False), (8, True)])
+def test_a_ghost_shadow_makes_the_live_arcs_decisions(generation: int, parts: bool) -> None:
+    """``_ShadowLiveARC`` with the live policy's ghost generation decides as ``AdaptivePolicy``
+    under ARC does (a miss: ``evict(1)`` when full, then ``on_insert``): lists, target and
+    ghosts after every request. With another generation it parts from it, so the check can
+    fail."""
+    from policies.adaptive import _ShadowLiveARC
+
+    live = AdaptivePolicy(64, ghost_sizes=(0.5,))  # one size: generations of 32 keys
+    live._referee = lambda key: None  # type: ignore[method-assign]
+    live._take_over(ARC)
+    assert _parts_from(_ShadowLiveARC(64, generation), live, scan_heavy(6)[:20_000], _live_arc_state) == parts
+
+
+def test_the_ghost_referee_decides_as_eagerly_decayed_counts_would() -> None:
+    """``_GhostReferee`` decays lazily (scaled counts); a plain version that decays every
+    count on every request must pick the same shadow at every step, over streams long enough
+    to fold the scale back many times. Evaluating the test without the scale (a mutation)
+    switches at other steps."""
+    from policies.adaptive import SWITCH_Z2, _GhostReferee
+
+    def eager(hit_rates: list[float], decay: float, steps: int, rng: random.Random) -> tuple[list, list]:
+        n = len(hit_rates)
+        current, scores, apart = 1, [0.0] * n, [0.0] * n
+        lazy = _GhostReferee(n, 1)
+        chosen_eager, chosen_lazy = [], []
+        for step in range(steps):
+            phase = hit_rates if (step // 3000) % 2 == 0 else hit_rates[::-1]
+            hits = [rng.random() < rate for rate in phase]
+            for i in range(n):
+                scores[i] = scores[i] * decay + hits[i]
+                apart[i] = apart[i] * decay + (hits[i] != hits[current])
+            best, lead = current, 0.0
+            for i in range(n):
+                ahead = scores[i] - scores[current]
+                if ahead > lead and ahead * ahead > SWITCH_Z2 * apart[i]:
+                    best, lead = i, ahead
+            if best != current:
+                current, apart = best, [0.0] * n
+            lazy.request(hits, decay)
+            chosen_eager.append(current)
+            chosen_lazy.append(lazy.current)
+        return chosen_eager, chosen_lazy
+
+    rng = random.Random(3)
+    for decay in (1 - 1 / 32, 1 - 1 / 1024):
+        chosen_eager, chosen_lazy = eager([0.30, 0.32, 0.45], decay, 24_000, rng)
+        assert chosen_eager == chosen_lazy
+        assert len(set(chosen_eager)) >= 2  # it did switch, back and forth with the phases
+
+
+def test_the_ghosts_grow_where_reuse_outlasts_a_capacity() -> None:
+    """Hot keys (1.3 capacities of them) that come back after about two capacities of other
+    keys, one-off scans between them: a ghost of two capacities remembers more of them than
+    the former fixed half capacity does, and hits more. The referee must find that size and
+    beat the fixed one (choosing a quarter, or staying, would not)."""
+    rng = random.Random(7)
+    keys, fresh = [], 100_000
+    for _ in range(60_000):
+        if rng.random() < 0.5:
+            keys.append(rng.randrange(520))
+        else:
+            keys.append(fresh)
+            fresh += 1
+    fixed = ((0.5,), (2.0,))
+    hits = {sizes: replay(AdaptivePolicy(400, sample_bits=2, ghost_sizes=sizes), keys) for sizes in fixed}
+    assert hits[(2.0,)] > hits[(0.5,)]
+    sized = make_policy("adaptive-ghosts", 400, sample_bits=2)
+    assert replay(sized, keys) > hits[(0.5,)] and sized.ghost_size == 2.0
+    assert AdaptivePolicy(400).ghost_size == 0.5 and not AdaptivePolicy(400)._ghost_shadows  # the default
 
 
 def test_kvtier_keys_are_sampled_by_a_hash_byte_the_same_in_every_process() -> None:
