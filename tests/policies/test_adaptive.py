@@ -25,13 +25,13 @@ def replay(policy, keys) -> int:
     return hits
 
 
-def scan_heavy(seed: int) -> list[int]:
-    """Hot keys (come back often) between one-off scans: ARC's case, LRU's worst."""
+def scan_heavy(seed: int, hot: int = 200, length: int = 40_000) -> list[int]:
+    """Hot keys (``hot`` of them, come back often) between one-off scans: ARC's case, LRU's worst."""
     rng = random.Random(seed)
     keys, fresh = [], 10_000
-    for _ in range(40_000):
+    for _ in range(length):
         if rng.random() < 0.5:
-            keys.append(rng.randrange(200))
+            keys.append(rng.randrange(hot))
         else:
             keys.append(fresh)
             fresh += 1
@@ -284,14 +284,7 @@ def test_the_ghosts_grow_where_reuse_outlasts_a_capacity() -> None:
     keys, one-off scans between them: a ghost of two capacities remembers more of them than
     the former fixed half capacity does, and hits more. The referee must find that size and
     beat the fixed one (choosing a quarter, or staying, would not)."""
-    rng = random.Random(7)
-    keys, fresh = [], 100_000
-    for _ in range(60_000):
-        if rng.random() < 0.5:
-            keys.append(rng.randrange(520))
-        else:
-            keys.append(fresh)
-            fresh += 1
+    keys = scan_heavy(7, hot=520, length=60_000)
     fixed = ((0.5,), (2.0,))
     hits = {sizes: replay(AdaptivePolicy(400, sample_bits=2, ghost_sizes=sizes), keys) for sizes in fixed}
     assert hits[(2.0,)] > hits[(0.5,)]
