@@ -88,17 +88,19 @@ class TraceReport:
     def best(self) -> tuple[str, float]:
         """The best policy a configuration can name (the learned references only where the
         run had no other): what the targets and the two-tier chain use."""
-        shipped = {p: v for p, v in self.policies.items() if p not in LEARNED_POLICIES} or self.policies
-        name = max(shipped, key=lambda p: shipped[p])
-        return name, shipped[name]
+        shipped = {p: v for p, v in self.policies.items() if p not in LEARNED_POLICIES}
+        return _best_of(shipped or self.policies)
 
     def best_reference(self) -> tuple[str, float] | None:
         """The best of the benchmark's learned references in this run, if any ran."""
         learned = {p: v for p, v in self.policies.items() if p in LEARNED_POLICIES}
-        if not learned:
-            return None
-        name = max(learned, key=lambda p: learned[p])
-        return name, learned[name]
+        return _best_of(learned) if learned else None
+
+
+def _best_of(hit_ratios: dict[str, float]) -> tuple[str, float]:
+    """The policy with the highest hit ratio (the first listed on a tie) and that ratio."""
+    name = max(hit_ratios, key=hit_ratios.__getitem__)
+    return name, hit_ratios[name]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -132,6 +132,20 @@ def _by_last_use(t1: OrderedDict[Key, int], t2: OrderedDict[Key, int]) -> Iterat
             return
 
 
+def _generation_of(capacity: int, size: float) -> int:
+    """Keys in one ghost generation of a tier of ``capacity`` rows, ``size`` capacities."""
+    return max(1, int(capacity * size))
+
+
+def _target_after_ghost(p: float, from_t2: bool, ghosts: int, b2: int, capacity: int) -> float:
+    """ARC's target ``p`` after a key comes back from a ghost: down if it left T2 (by the
+    ratio of T1's ghosts to T2's), up if it left T1. ``ghosts`` are left, ``b2`` of them T2's."""
+    b1 = ghosts - b2
+    if from_t2:
+        return max(0.0, p - max(1.0, b1 / (b2 + 1)))
+    return min(float(capacity), p + max(1.0, b2 / (b1 + 1)))
+
+
 class AdaptivePolicy(EvictionPolicy):
     """The live expert's own lists, one set of ghosts, and the referees' shadows.
 
@@ -196,14 +210,12 @@ class AdaptivePolicy(EvictionPolicy):
         self._lru_shadow = _ShadowLRU(shadow)
         self._arc_shadow = _ShadowARC(shadow)
         self._ghost_sizes = ghost_sizes
-        self._ghost_start = len(ghost_sizes) // 2
         self._ghost_shadows = (
-            tuple(_ShadowLiveARC(shadow, max(1, int(shadow * m))) for m in ghost_sizes)
+            tuple(_ShadowLiveARC(shadow, _generation_of(shadow, m)) for m in ghost_sizes)
             if len(ghost_sizes) > 1
             else ()
         )
-        self._ghost_referee = _GhostReferee(len(ghost_sizes), self._ghost_start)
-        self._generation = max(1, int(capacity * ghost_sizes[self._ghost_start]))
+        self._start_ghost_referee()
         self._decay = 1.0 - 1.0 / (horizon * shadow)
         self._long_decay = 1.0 - 1.0 / (confirm * horizon * shadow)
         self._scale = capacity / shadow
@@ -242,7 +254,13 @@ class AdaptivePolicy(EvictionPolicy):
         if self._ghost_shadows:
             size = self._ghost_referee.request([shadow.request(key) for shadow in self._ghost_shadows], decay)
             if size is not None:
-                self._generation = max(1, int(self.capacity * self._ghost_sizes[size]))
+                self._generation = _generation_of(self.capacity, self._ghost_sizes[size])
+
+    def _start_ghost_referee(self) -> None:
+        """Ghosts of the middle of ``ghost_sizes``, and a referee that has seen nothing."""
+        start = len(self._ghost_sizes) // 2
+        self._ghost_referee = _GhostReferee(len(self._ghost_sizes), start)
+        self._generation = _generation_of(self.capacity, self._ghost_sizes[start])
 
     @property
     def ghost_size(self) -> float:
@@ -313,12 +331,7 @@ class AdaptivePolicy(EvictionPolicy):
         if mark is None:
             self._t1[key] = next(self._clock)
             return
-        b2 = self._ghosts_b2
-        b1 = len(self._ghosts) + len(self._ghosts_old) - b2
-        if mark:
-            self.p = max(0.0, self.p - max(1.0, b1 / (b2 + 1)))
-        else:
-            self.p = min(float(self.capacity), self.p + max(1.0, b2 / (b1 + 1)))
+        self.p = _target_after_ghost(self.p, mark, self.ghost_count(), self._ghosts_b2, self.capacity)
         self._t2[key] = next(self._clock)
 
     def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
@@ -438,8 +451,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._arc_shadow.clear()
         for ghost_shadow in self._ghost_shadows:
             ghost_shadow.clear()
-        self._ghost_referee = _GhostReferee(len(self._ghost_sizes), self._ghost_start)
-        self._generation = max(1, int(self.capacity * self._ghost_sizes[self._ghost_start]))
+        self._start_ghost_referee()
         self.scores = [0.0, 0.0]
         self.apart = 0.0
         self.long_scores = [0.0, 0.0]
@@ -569,11 +581,7 @@ class _ShadowLiveARC:
                 t1[key] = None
                 return False
         b2 = self._b2 = self._b2 - mark
-        b1 = len(ghosts) + len(self._ghosts_old) - b2
-        if mark:
-            self.p = max(0.0, self.p - max(1.0, b1 / (b2 + 1)))
-        else:
-            self.p = min(float(self.capacity), self.p + max(1.0, b2 / (b1 + 1)))
+        self.p = _target_after_ghost(self.p, mark, len(ghosts) + len(self._ghosts_old), b2, self.capacity)
         t2[key] = None
         return False
 
@@ -607,12 +615,13 @@ class _GhostReferee:
     def request(self, hits: list[bool], decay: float) -> int | None:
         """Count one request's hits (one per shadow); the shadow to follow now, if it changed."""
         self.scale = scale = self.scale / decay
+        if scale > 1e100:  # fold it back into the counts before it overflows
+            self.leads = [lead / scale for lead in self.leads]
+            self.apart = [a / scale for a in self.apart]
+            self.scale = scale = 1.0
         hit = hits[self.current]
-        if hit:
-            if all(hits):
-                return self._rescaled()
-        elif not any(hits):
-            return self._rescaled()
+        if all(hits) if hit else not any(hits):
+            return None
         leads, apart, best, best_lead = self.leads, self.apart, None, 0.0
         for i, other in enumerate(hits):
             if other != hit:
@@ -622,18 +631,8 @@ class _GhostReferee:
                 if other and lead > best_lead and lead * lead > SWITCH_Z2 * apart[i] * scale:
                     best, best_lead = i, lead
         if best is None:
-            return self._rescaled()
+            return None
         self.current = best
         self.leads = [lead - best_lead for lead in leads]
         self.apart = [0.0] * len(hits)
         return best
-
-    def _rescaled(self) -> None:
-        """Fold ``scale`` back into the counts before it overflows (every few thousand
-        requests at the smallest shadows)."""
-        if self.scale > 1e100:
-            inverse = 1.0 / self.scale
-            self.leads = [lead * inverse for lead in self.leads]
-            self.apart = [a * inverse for a in self.apart]
-            self.scale = 1.0
-        return None
