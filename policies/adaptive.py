@@ -24,26 +24,31 @@ two experts are close, and each switch costs the order the cache had built (the 
 argument of LeCaR and CACHEUS holds only when the experts' states do not depend on who
 evicts). ARC taking over starts from its shadow's target, scaled.
 
-``adaptive-ghosts`` (``SizedGhostsAdaptivePolicy``) sizes ARC's ghosts the same way: three
+``adaptive-ghosts`` (``SizedGhostsAdaptivePolicy``, the default) sizes ARC's ghosts the same way: three
 more shadows each run this policy's own ARC (``_ShadowLiveARC``) with ghost generations of
 one of ``SIZED_GHOSTS`` capacities, on the same sampled requests, and the live ghosts take
 the size of whichever leads the current one by ``SWITCH_Z`` (``_GhostReferee``). How long
 an evicted key is remembered decides which returns count as frequent and move ARC's target,
 and the best size differs by workload: a quarter of a capacity on agentic traces, two on
 the production trace and on scans.
+
+The shadows run compiled (``policies/_shadows.c``, built at install) where a C compiler was
+found, else in Python (``_shadow_types``): the same decisions, ``tests/policies/test_shadows.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import count, repeat
-from typing import Any
 
 from policies.arc import ARCPolicy
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable, take_evictable
 from policies.lru import LRUPolicy, move_each_to_end
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_BITS = 5
 """One key in ``2 ** SAMPLE_BITS`` (by its hash) is replayed in the shadows, chosen on the
@@ -70,18 +75,21 @@ GHOST_SIZES = (0.5,)
 """The sizes of ARC's ghost generations, in capacities, that a ghost referee chooses among,
 starting from the middle one; one size (the default: half a capacity) needs no referee."""
 SIZED_GHOSTS = (0.25, 0.5, 2.0)
-"""``adaptive-ghosts``' sizes. Which keys count as back from a ghost (frequent, and moving
-ARC's target) decides much of ARC's split, and no one size wins: on ``kvtier bench
-policy``'s traces at host 10%, a quarter of a capacity gained 11% over vLLM ``arc`` on
-agentic and lost 4% on the production trace, two capacities the reverse (docs/policies.md).
-Chosen on the table's five traces and the held-out ones together, among 0.25 / 0.5 / 1 and
-0.25 / 0.5 / 2 (and two- and four-size sets): the doubled ghost gained most on the
-production trace and scans without a cell lost. Not the default: the three shadows cost
-about 8% of the policy's calls/s as vLLM drives it (up to 18% in one cell), which the
-default's margin over 2x vLLM ``arc``'s does not hold (running them a quarter of the time
-lost the gain)."""
+"""``adaptive-ghosts``' sizes (the host tier's default). Which keys count as back from a ghost
+(frequent, and moving ARC's target) decides much of ARC's split, and no one size wins: on
+``kvtier bench policy``'s traces at host 10%, a quarter of a capacity gained 11% over vLLM
+``arc`` on agentic and lost 4% on the production trace, two capacities the reverse
+(docs/policies.md). Chosen on the table's five traces and the held-out ones together, among
+0.25 / 0.5 / 1 and 0.25 / 0.5 / 2 (and two- and four-size sets): the doubled ghost gained
+most on the production trace and scans without a cell lost. The three shadows cost about 8%
+of the policy's calls/s as vLLM drives it in Python (up to 18% in one cell); compiled
+(``policies/_shadows.c``) they cost none that the benchmark can tell from its noise."""
 MIN_SHADOW = 16
-"""Shadow caches hold at least this many rows (a tiny tier is sampled more coarsely)."""
+"""Shadow caches hold at least this many rows. The sample stays one key in ``2 **
+sample_bits``, so a tier under ``MIN_SHADOW << sample_bits`` rows (512) has shadows that
+model a larger cache than it is (long-doc QA at host 5% is 386 rows); every figure in
+docs/policies.md was measured so, and sampling small tiers more finely instead was worse
+held out (docs/policies.md#policy-adaptive)."""
 
 LRU, ARC = 0, 1
 """The experts, as ``AdaptivePolicy.expert`` names them."""
@@ -207,14 +215,10 @@ class AdaptivePolicy(EvictionPolicy):
         self._ghosts_b2 = 0  # how many of both generations are marked: kept under ARC only
         self._mask = (1 << sample_bits) - 1
         shadow = max(MIN_SHADOW, capacity >> sample_bits)
-        self._lru_shadow = _ShadowLRU(shadow)
-        self._arc_shadow = _ShadowARC(shadow)
+        lru_shadow, arc_shadow, self._ghost_shadows_type = SHADOWS
+        self._lru_shadow = lru_shadow(shadow)
+        self._arc_shadow = arc_shadow(shadow)
         self._ghost_sizes = ghost_sizes
-        self._ghost_shadows = (
-            tuple(_ShadowLiveARC(shadow, _generation_of(shadow, m)) for m in ghost_sizes)
-            if len(ghost_sizes) > 1
-            else ()
-        )
         self._start_ghost_referee()
         self._decay = 1.0 - 1.0 / (horizon * shadow)
         self._long_decay = 1.0 - 1.0 / (confirm * horizon * shadow)
@@ -251,21 +255,28 @@ class AdaptivePolicy(EvictionPolicy):
             ahead = long_scores[other] - long_scores[self.expert]
             if ahead > 0 and ahead * ahead > CONFIRM_Z2 * long_apart:
                 self._take_over(other)
-        if self._ghost_shadows:
-            size = self._ghost_referee.request([shadow.request(key) for shadow in self._ghost_shadows], decay)
+        if self._ghost_shadows is not None:
+            size = self._ghost_shadows.request(key, decay)
             if size is not None:
+                self._ghost_index = size
                 self._generation = _generation_of(self.capacity, self._ghost_sizes[size])
 
     def _start_ghost_referee(self) -> None:
-        """Ghosts of the middle of ``ghost_sizes``, and a referee that has seen nothing."""
-        start = len(self._ghost_sizes) // 2
-        self._ghost_referee = _GhostReferee(len(self._ghost_sizes), start)
-        self._generation = _generation_of(self.capacity, self._ghost_sizes[start])
+        """Ghosts of the middle of ``ghost_sizes``, and shadows (one per size) that have seen
+        nothing; none for one size."""
+        sizes, shadow = self._ghost_sizes, self._lru_shadow.capacity
+        self._ghost_index = start = len(sizes) // 2
+        self._generation = _generation_of(self.capacity, sizes[start])
+        self._ghost_shadows = (
+            self._ghost_shadows_type(shadow, [_generation_of(shadow, m) for m in sizes], start, SWITCH_Z2)
+            if len(sizes) > 1
+            else None
+        )
 
     @property
     def ghost_size(self) -> float:
         """The size of ARC's ghost generations now, in capacities (one of ``ghost_sizes``)."""
-        return self._ghost_sizes[self._ghost_referee.current]
+        return self._ghost_sizes[self._ghost_index]
 
     def _take_over(self, expert: int) -> None:
         """Make ``expert`` the one that evicts, its lists rebuilt from the other's.
@@ -289,15 +300,6 @@ class AdaptivePolicy(EvictionPolicy):
             t1.clear()
             t2.clear()
         self.expert = expert
-
-    def _back_from_ghost(self, key: Key) -> bool | None:
-        """Forget ``key``'s ghost: the list it left (``True``: T2), ``None`` if it has none."""
-        mark = self._ghosts.pop(key, None)
-        if mark is None:
-            mark = self._ghosts_old.pop(key, None)
-        if mark:
-            self._ghosts_b2 -= 1
-        return mark
 
     def _remember(self, victims: Sequence[Key], marks: Iterable[bool], marked: int) -> None:
         """ARC's victims become ghosts with their marks (``marked`` of them ``True``, which
@@ -323,15 +325,20 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _insert_one(self, key: Key) -> None:
         """A new resident key: back from a ghost it is frequent (LRU marks it, ARC puts it
-        in ``T2`` and moves ``p`` toward the list it left); else new (``T1``)."""
-        mark = self._back_from_ghost(key)
-        if self.expert == LRU:
+        in ``T2`` and moves ``p`` toward the list it left); else new (``T1``). Its ghost is
+        forgotten (inlined: a run of keys back from ghosts passes here key by key)."""
+        ghosts, ghosts_old = self._ghosts, self._ghosts_old
+        mark = ghosts.pop(key, None)
+        if mark is None:
+            mark = ghosts_old.pop(key, None)
+        if self.expert == LRU:  # (the marked count is kept under ARC only)
             self._order[key] = mark is not None
             return
         if mark is None:
             self._t1[key] = next(self._clock)
             return
-        self.p = _target_after_ghost(self.p, mark, self.ghost_count(), self._ghosts_b2, self.capacity)
+        self._ghosts_b2 = b2 = self._ghosts_b2 - mark
+        self.p = _target_after_ghost(self.p, mark, len(ghosts) + len(ghosts_old), b2, self.capacity)
         self._t2[key] = next(self._clock)
 
     def on_insert_run(self, keys: Sequence[Key], parent: Key | None = None) -> None:
@@ -341,11 +348,35 @@ class AdaptivePolicy(EvictionPolicy):
                 self._order.update(zip(reversed(keys), repeat(False)))
             else:
                 self._t1.update(zip(reversed(keys), self._clock, strict=False))
+        elif self.expert == LRU:  # some back from a ghost: marked, and their ghosts forgotten
+            young, old = self._ghosts.pop, self._ghosts_old.pop
+            tail_first = keys[::-1]
+            marked = [young(key, None) is not None or old(key, None) is not None for key in tail_first]
+            self._order.update(zip(tail_first, marked, strict=True))
         else:
-            for i in range(len(keys) - 1, -1, -1):
-                self._insert_one(keys[i])
+            self._insert_run_under_arc(keys)
         for key in reversed(_sampled(keys, self._mask)):
             self._referee(key)
+
+    def _insert_run_under_arc(self, keys: Sequence[Key]) -> None:
+        """``_insert_one`` of each of ``keys``, tail first, where some are back from a ghost:
+        the new ones go into ``T1`` in one call, each returning one moves ``p`` in turn (only
+        the ghosts' counts move it) and goes into ``T2``, every key with the stamp of its
+        place in the run."""
+        ghosts, ghosts_old = self._ghosts, self._ghosts_old
+        stamped = list(zip(reversed(keys), self._clock, strict=False))
+        self._t1.update((key, stamp) for key, stamp in stamped if key not in ghosts and key not in ghosts_old)
+        t2, b2, p, capacity = self._t2, self._ghosts_b2, self.p, self.capacity
+        for key, stamp in stamped:
+            mark = ghosts.pop(key, None)
+            if mark is None:
+                mark = ghosts_old.pop(key, None)
+                if mark is None:
+                    continue
+            b2 -= mark
+            p = _target_after_ghost(p, mark, len(ghosts) + len(ghosts_old), b2, capacity)
+            t2[key] = stamp
+        self._ghosts_b2, self.p = b2, p
 
     def on_access(self, key: Key) -> None:
         if self.expert == LRU:
@@ -449,8 +480,6 @@ class AdaptivePolicy(EvictionPolicy):
         self.p = 0.0
         self._lru_shadow.clear()
         self._arc_shadow.clear()
-        for ghost_shadow in self._ghost_shadows:
-            ghost_shadow.clear()
         self._start_ghost_referee()
         self.scores = [0.0, 0.0]
         self.apart = 0.0
@@ -461,15 +490,22 @@ class AdaptivePolicy(EvictionPolicy):
 
 class SizedGhostsAdaptivePolicy(AdaptivePolicy):
     """``adaptive`` that also chooses the size of ARC's ghosts among ``SIZED_GHOSTS`` by three
-    more sampled shadows: more hits where ARC leads (``kvtier bench policy``: +11% over vLLM
-    ``arc`` on agentic at host 10% where ``adaptive`` gets +7.5%, +6.6% on the production
-    trace where it gets +3.8%), at about 0.9x its calls/s."""
+    more sampled shadows, the host tier's default: more hits where ARC leads (``kvtier bench
+    policy``: +11% over vLLM ``arc`` on agentic at host 10% where ``adaptive`` gets +7.5%,
+    +6.6% on the production trace where it gets +3.8%), at ``adaptive``'s calls/s with the
+    compiled shadows."""
 
     name = "adaptive-ghosts"
 
-    def __init__(self, capacity: int, **params: Any) -> None:
-        params.setdefault("ghost_sizes", SIZED_GHOSTS)
-        super().__init__(capacity, **params)
+    def __init__(
+        self,
+        capacity: int,
+        sample_bits: int = SAMPLE_BITS,
+        horizon: float = HORIZON,
+        confirm: float = CONFIRM,
+        ghost_sizes: Sequence[float] = SIZED_GHOSTS,
+    ) -> None:
+        super().__init__(capacity, sample_bits, horizon, confirm, ghost_sizes)
 
 
 class _ShadowLRU(LRUPolicy):
@@ -604,10 +640,11 @@ class _GhostReferee:
     switch, when the evidence starts over).
     """
 
-    __slots__ = ("apart", "current", "leads", "scale")
+    __slots__ = ("apart", "current", "leads", "scale", "switch_z2")
 
-    def __init__(self, n: int, current: int) -> None:
+    def __init__(self, n: int, current: int, switch_z2: float = SWITCH_Z2) -> None:
         self.current = current
+        self.switch_z2 = switch_z2
         self.leads = [0.0] * n
         self.apart = [0.0] * n
         self.scale = 1.0
@@ -628,7 +665,7 @@ class _GhostReferee:
                 apart[i] += scale
                 leads[i] += scale if other else -scale
                 lead = leads[i]
-                if other and lead > best_lead and lead * lead > SWITCH_Z2 * apart[i] * scale:
+                if other and lead > best_lead and lead * lead > self.switch_z2 * apart[i] * scale:
                     best, best_lead = i, lead
         if best is None:
             return None
@@ -636,3 +673,51 @@ class _GhostReferee:
         self.leads = [lead - best_lead for lead in leads]
         self.apart = [0.0] * len(hits)
         return best
+
+
+class _GhostShadows:
+    """``adaptive``'s own ARC at each ghost generation size (``_ShadowLiveARC``) and the
+    referee choosing among them (``_GhostReferee``): ``request`` replays one sampled request
+    in every shadow and returns the shadow to follow now, if that changed."""
+
+    __slots__ = ("referee", "shadows")
+
+    def __init__(self, capacity: int, generations: Sequence[int], current: int, switch_z2: float) -> None:
+        self.shadows = tuple(_ShadowLiveARC(capacity, generation) for generation in generations)
+        self.referee = _GhostReferee(len(self.shadows), current, switch_z2)
+
+    @property
+    def current(self) -> int:
+        return self.referee.current
+
+    def request(self, key: Key, decay: float) -> int | None:
+        return self.referee.request([shadow.request(key) for shadow in self.shadows], decay)
+
+    def state(self) -> tuple:
+        """As the compiled ``GhostShadows.state``: the referee's counts, each shadow's parts."""
+        referee = self.referee
+        shadows = [
+            (
+                (list(s._t1), list(s._t2), list(s._ghosts.items()), list(s._ghosts_old.items())),
+                s.p,
+            )
+            for s in self.shadows
+        ]
+        return referee.current, referee.scale, list(referee.leads), list(referee.apart), shadows
+
+
+def _shadow_types() -> tuple[type, type, type]:
+    """The referee's shadow types: compiled (``policies/_shadows.c``, built at install where
+    a C compiler is found) or, where that module was not built, the Python ones above, which
+    make the same decisions (``tests/policies/test_shadows.py``) at several times the cost
+    per sampled request."""
+    try:
+        from policies import _shadows
+    except ImportError:
+        logger.info("policies._shadows is not built: the adaptive policies' shadows run in Python (slower)")
+        return _ShadowLRU, _ShadowARC, _GhostShadows
+    return _shadows.ShadowLRU, _shadows.ShadowARC, _shadows.GhostShadows
+
+
+SHADOWS = _shadow_types()
+"""``(LRU, ARC, ghost shadows)`` types, as ``_shadow_types`` chose them at import."""

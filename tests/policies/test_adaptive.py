@@ -298,3 +298,20 @@ def test_kvtier_keys_are_sampled_by_a_hash_byte_the_same_in_every_process() -> N
 
     key = bytes(range(8)) + (0).to_bytes(4, "big")
     assert _sample_byte(key) == 7 and _sample_byte(12) == 12
+
+
+def test_without_the_compiled_shadows_the_python_ones_run() -> None:
+    """Where ``policies._shadows`` was not built (no C compiler at install), the policy runs
+    on the Python shadows; where it was, on the compiled ones."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; sys.modules['policies._shadows'] = None\n"  # import fails, as when not built
+        "import policies.adaptive as a\n"
+        "assert a.SHADOWS == (a._ShadowLRU, a._ShadowARC, a._GhostShadows), a.SHADOWS\n"
+        "p = a.SizedGhostsAdaptivePolicy(64)\n"
+        "for k in range(5000): p.on_insert(k % 300) if k % 300 not in p else p.on_access(k % 300); "
+        "len(p) > 64 and p.evict(len(p) - 64)\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)

@@ -179,7 +179,7 @@ def test_a_renewal_changes_no_membership(name: str) -> None:
     assert set(policy) == set(range(10)) and len(policy) == 10
 
 
-@pytest.mark.parametrize("name", ["lru", "arc", "arc-vllm", "slru", "adaptive"])
+@pytest.mark.parametrize("name", ["lru", "arc", "arc-vllm", "slru", "adaptive", "adaptive-ghosts"])
 def test_a_renewal_is_order_not_a_use(name: str) -> None:
     """``on_renew`` makes keys the most recent in their own list; a use also makes a
     once-seen key frequent where a policy counts frequency (ARC's T2, SLRU's protected
