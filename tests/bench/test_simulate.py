@@ -21,6 +21,7 @@ from bench.traces import (
     trace_stats,
 )
 from bench.vllm_baseline import vllm_version
+from policies.registry import DEFAULT_POLICY
 
 POLICIES = ["lru", "slru", "arc", "s3fifo", "tinylfu", "cost", "prefix:lru", "prefix:arc", "prefix:tinylfu"]
 
@@ -222,7 +223,7 @@ def test_the_scheduler_table_drives_the_policy_directly_and_through_vllm(tmp_pat
     argv = ["--traces", "real-late", "--trace-fraction", "0.2", "--policies", "lru", "--jobs", "1"]
     argv += [
         "--drive-policies",
-        "lru,adaptive",
+        f"lru,{DEFAULT_POLICY}",  # the targets are the default's
         "--drive-traces",
         "real-late",
         "--drive-host-fractions",
