@@ -9,7 +9,7 @@
     [[tiers]]                # in order, fastest first; the first is the host tier
     kind = "host"
     capacity = "8GiB"
-    eviction = "adaptive-ghosts"  # the default; or "lru", "arc", ..., or "my_pkg.mod:MyPolicy"
+    eviction = "adaptive"    # the default; or "lru", "arc", ..., or "my_pkg.mod:MyPolicy"
     eviction_params = {}     # keyword arguments of the policy
 
     [[tiers]]
