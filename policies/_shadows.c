@@ -225,13 +225,18 @@ list_keys(Table *t, int list, int with_marks)
     return out;
 }
 
-/* The table of a shadow whose __init__ has run, else NULL and an error. */
-static Table *
-ready(Table *t)
+/* `key`'s node (NIL if none) and its hash, in a table whose __init__ has run; -2 with an
+   error set. */
+static Py_ssize_t
+table_lookup(Table *t, PyObject *key, Py_hash_t *hash)
 {
-    if (t->nodes == NULL)
+    if (t->nodes == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "shadow used before __init__");
-    return t->nodes == NULL ? NULL : t;
+        return -2;
+    }
+    if ((*hash = PyObject_Hash(key)) == -1)
+        return -2;
+    return table_find(t, key, *hash);
 }
 
 static int
@@ -242,6 +247,18 @@ capacity_arg(Py_ssize_t capacity)
         return -1;
     }
     return 0;
+}
+
+/* __init__(capacity) of a shadow whose table holds up to `per_row * capacity + extra` keys. */
+static int
+init_with_capacity(Table *t, Py_ssize_t *capacity, PyObject *args, PyObject *kwargs, Py_ssize_t per_row,
+                   Py_ssize_t extra)
+{
+    static char *names[] = {"capacity", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", names, capacity) || capacity_arg(*capacity) < 0)
+        return -1;
+    table_free(t);
+    return table_init(t, per_row * *capacity + extra);
 }
 
 /* ---- LRU --------------------------------------------------------------------------- */
@@ -255,25 +272,15 @@ typedef struct {
 static int
 lru_init(ShadowLRU *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"capacity", NULL};
-    Py_ssize_t capacity;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", names, &capacity) || capacity_arg(capacity) < 0)
-        return -1;
-    table_free(&self->table);
-    self->capacity = capacity;
-    return table_init(&self->table, capacity + 1);
+    return init_with_capacity(&self->table, &self->capacity, args, kwargs, 1, 1);
 }
 
 static PyObject *
 lru_request(ShadowLRU *self, PyObject *key)
 {
-    Table *t = ready(&self->table);
-    if (t == NULL)
-        return NULL;
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1)
-        return NULL;
-    Py_ssize_t i = table_find(t, key, hash);
+    Table *t = &self->table;
+    Py_hash_t hash;
+    Py_ssize_t i = table_lookup(t, key, &hash);
     if (i == -2)
         return NULL;
     if (i != NIL) {
@@ -313,28 +320,18 @@ typedef struct {
 static int
 arc_init(ShadowARC *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"capacity", NULL};
-    Py_ssize_t capacity;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", names, &capacity) || capacity_arg(capacity) < 0)
-        return -1;
-    table_free(&self->table);
-    self->capacity = capacity;
     self->p = 0.0;
-    return table_init(&self->table, 2 * capacity + 2);
+    return init_with_capacity(&self->table, &self->capacity, args, kwargs, 2, 2);
 }
 
 static PyObject *
 arc_request(ShadowARC *self, PyObject *key)
 {
-    Table *t = ready(&self->table);
-    if (t == NULL)
-        return NULL;
+    Table *t = &self->table;
     List *l = t->lists;
     Py_ssize_t capacity = self->capacity;
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1)
-        return NULL;
-    Py_ssize_t i = table_find(t, key, hash);
+    Py_hash_t hash;
+    Py_ssize_t i = table_lookup(t, key, &hash);
     if (i == -2)
         return NULL;
     if (i != NIL && (t->nodes[i].list == T1 || t->nodes[i].list == T2)) {

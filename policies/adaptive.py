@@ -188,6 +188,8 @@ class AdaptivePolicy(EvictionPolicy):
     """
 
     name = "adaptive"
+    default_ghost_sizes: tuple[float, ...] = GHOST_SIZES
+    """``ghost_sizes`` when none are given (a subclass's choice: ``adaptive-ghosts``)."""
 
     def __init__(
         self,
@@ -195,7 +197,7 @@ class AdaptivePolicy(EvictionPolicy):
         sample_bits: int = SAMPLE_BITS,
         horizon: float = HORIZON,
         confirm: float = CONFIRM,
-        ghost_sizes: Sequence[float] = GHOST_SIZES,
+        ghost_sizes: Sequence[float] | None = None,
     ) -> None:
         super().__init__(capacity)
         if not 0 <= sample_bits <= 16:
@@ -204,7 +206,7 @@ class AdaptivePolicy(EvictionPolicy):
             raise ValueError(f"horizon must be positive, got {horizon!r}")
         if not confirm >= 1:
             raise ValueError(f"confirm must be at least 1 (the horizon), got {confirm!r}")
-        ghost_sizes = tuple(ghost_sizes)
+        ghost_sizes = tuple(self.default_ghost_sizes if ghost_sizes is None else ghost_sizes)
         if not ghost_sizes or not all(isinstance(m, int | float) and 0 < m <= 8 for m in ghost_sizes):
             raise ValueError(f"ghost_sizes must be capacities in (0, 8], at least one, got {ghost_sizes!r}")
         self._order: OrderedDict[Key, bool] = OrderedDict()  # under LRU
@@ -497,16 +499,7 @@ class SizedGhostsAdaptivePolicy(AdaptivePolicy):
     trace where it gets +3.8%), at 0.92-1.0x its calls/s with the compiled shadows."""
 
     name = "adaptive-ghosts"
-
-    def __init__(
-        self,
-        capacity: int,
-        sample_bits: int = SAMPLE_BITS,
-        horizon: float = HORIZON,
-        confirm: float = CONFIRM,
-        ghost_sizes: Sequence[float] = SIZED_GHOSTS,
-    ) -> None:
-        super().__init__(capacity, sample_bits, horizon, confirm, ghost_sizes)
+    default_ghost_sizes = SIZED_GHOSTS
 
 
 class _ShadowLRU(LRUPolicy):
