@@ -310,6 +310,35 @@ lru_clear(ShadowLRU *self, PyObject *Py_UNUSED(ignored))
 
 enum { T1, T2, B1, B2 };
 
+/* ARC's hit (both ARCs here): node `i` (NIL: no node) in T1 or T2 moves to T2's end.
+   Whether it was resident. */
+static int
+arc_hit(Table *t, Py_ssize_t i)
+{
+    if (i == NIL || (t->nodes[i].list != T1 && t->nodes[i].list != T2))
+        return 0;
+    table_move(t, i, T2, 0);
+    return 1;
+}
+
+/* Whether ARC's victim is T1's oldest: while |T1| > p, or when T2 is empty. */
+static int
+victim_from_t1(List *l, double p)
+{
+    return l[T1].len && ((double)l[T1].len > p || !l[T2].len);
+}
+
+/* ARC's target after a ghost hit: up by max(1, `ratio`) to `capacity` (a ghost of T1), or
+   down by it to 0 (of T2); as policies.adaptive._target_after_ghost and ARCPolicy do. */
+static double
+target_after_ghost(double p, int from_t2, double ratio, double capacity)
+{
+    double step = ratio > 1.0 ? ratio : 1.0;
+    if (from_t2)
+        return p - step > 0.0 ? p - step : 0.0;
+    return p + step < capacity ? p + step : capacity;
+}
+
 typedef struct {
     PyObject_HEAD
     Table table;
@@ -334,17 +363,15 @@ arc_request(ShadowARC *self, PyObject *key)
     Py_ssize_t i = table_lookup(t, key, &hash);
     if (i == -2)
         return NULL;
-    if (i != NIL && (t->nodes[i].list == T1 || t->nodes[i].list == T2)) {
-        table_move(t, i, T2, 0);
+    if (arc_hit(t, i))
         Py_RETURN_TRUE;
-    }
     if (l[T1].len + l[T2].len >= capacity) {
-        if (l[T1].len && ((double)l[T1].len > self->p || !l[T2].len))
+        if (victim_from_t1(l, self->p))
             table_move(t, l[T1].head, B1, 0);
         else
             table_move(t, l[T2].head, B2, 0);
-        /* the requested key's ghost, if any, is not the one trimmed: it is the newest of
-           neither list (it went in before this eviction) unless it is the only one */
+        /* a trim may forget the requested key's own ghost (the oldest of its list): then it
+           comes in as new, as in _ShadowARC, where the ghost test follows the trims */
         if (l[B1].len && l[T1].len + l[B1].len > capacity) {
             if (l[B1].head == i)
                 i = NIL;
@@ -357,16 +384,10 @@ arc_request(ShadowARC *self, PyObject *key)
             table_remove(t, l[from].head);
         }
     }
-    if (i != NIL && t->nodes[i].list == B1) {
-        double step = (double)l[B2].len / (double)l[B1].len;
-        double p = self->p + (step > 1.0 ? step : 1.0);
-        self->p = p < (double)capacity ? p : (double)capacity;
-        table_move(t, i, T2, 0);
-    }
-    else if (i != NIL && t->nodes[i].list == B2) {
-        double step = (double)l[B1].len / (double)l[B2].len;
-        double p = self->p - (step > 1.0 ? step : 1.0);
-        self->p = p > 0.0 ? p : 0.0;
+    if (i != NIL) { /* back from B1 or B2: ARC's ghost rule, by the two lists' sizes */
+        int from_t2 = t->nodes[i].list == B2;
+        double ratio = from_t2 ? (double)l[B1].len / (double)l[B2].len : (double)l[B2].len / (double)l[B1].len;
+        self->p = target_after_ghost(self->p, from_t2, ratio, (double)capacity);
         table_move(t, i, T2, 0);
     }
     else
@@ -415,13 +436,11 @@ live_request(LiveARC *s, PyObject *key, Py_hash_t hash)
     Py_ssize_t i = table_find(t, key, hash);
     if (i == -2)
         return -1;
-    if (i != NIL && (t->nodes[i].list == T1 || t->nodes[i].list == T2)) {
-        table_move(t, i, T2, 0);
+    if (arc_hit(t, i))
         return 1;
-    }
     int young = s->young, old = 5 - young;
     if (l[T1].len + l[T2].len >= s->capacity) {
-        if (l[T1].len && ((double)l[T1].len > s->p || !l[T2].len))
+        if (victim_from_t1(l, s->p))
             table_move(t, l[T1].head, young, 0);
         else
             table_move(t, l[T2].head, young, 1);
@@ -439,17 +458,8 @@ live_request(LiveARC *s, PyObject *key, Py_hash_t hash)
     char mark = t->nodes[i].mark;
     table_remove(t, i); /* its ghost, then a fresh node in T2: the count below is without it */
     Py_ssize_t ghosts = l[2].len + l[3].len, b2 = l[2].marked + l[3].marked;
-    double capacity = (double)s->capacity, p = s->p;
-    if (mark) { /* _target_after_ghost */
-        double step = (double)(ghosts - b2) / (double)(b2 + 1);
-        p -= step > 1.0 ? step : 1.0;
-        s->p = p > 0.0 ? p : 0.0;
-    }
-    else {
-        double step = (double)b2 / (double)(ghosts - b2 + 1);
-        p += step > 1.0 ? step : 1.0;
-        s->p = p < capacity ? p : capacity;
-    }
+    double ratio = mark ? (double)(ghosts - b2) / (double)(b2 + 1) : (double)b2 / (double)(ghosts - b2 + 1);
+    s->p = target_after_ghost(s->p, mark, ratio, (double)s->capacity);
     table_add(t, key, hash, T2, 0);
     return 0;
 }
