@@ -309,9 +309,25 @@ def test_without_the_compiled_shadows_the_python_ones_run() -> None:
     probe = (
         "import sys; sys.modules['policies._shadows'] = None\n"  # import fails, as when not built
         "import policies.adaptive as a\n"
-        "assert a.SHADOWS == (a._ShadowLRU, a._ShadowARC, a._GhostShadows), a.SHADOWS\n"
-        "p = a.SizedGhostsAdaptivePolicy(64)\n"
-        "for k in range(5000): p.on_insert(k % 300) if k % 300 not in p else p.on_access(k % 300); "
-        "len(p) > 64 and p.evict(len(p) - 64)\n"
+        "p = a.SizedGhostsAdaptivePolicy(64, sample_bits=1)\n"
+        "assert (type(p._lru_shadow), type(p._arc_shadow), type(p._ghost_shadows))"
+        " == (a._ShadowLRU, a._ShadowARC, a._GhostShadows)\n"
+        "evicted = 0\n"
+        "for k in range(5000):\n"
+        "    key = k % 300\n"
+        "    if key in p:\n"
+        "        p.on_access(key)\n"
+        "        continue\n"
+        "    if len(p) >= 64:\n"
+        "        evicted += len(p.evict(1))\n"
+        "    p.on_insert(key)\n"
+        "assert len(p) == 64 and evicted > 0, (len(p), evicted)\n"
     )
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
+    try:
+        from policies import _shadows
+    except ImportError:
+        return
+    sized = make_policy("adaptive-ghosts", 64)
+    assert type(sized._lru_shadow) is _shadows.ShadowLRU
+    assert type(sized._ghost_shadows) is _shadows.GhostShadows

@@ -102,8 +102,12 @@ def test_compiled_shadows_decide_as_python_ones(kind: str, capacity: int, as_byt
     args = (1.0 - 1.0 / (2 * capacity),) if kind in ("live", "sized-ghosts") else ()  # the policy's decay
     python, compiled = make_python(capacity), make_compiled(capacity)
     assert _first_difference(python, python_state, compiled, compiled_state, keys, *args) is None
-    python, compiled = make_python(capacity), make_compiled(capacity)
-    python.clear() if hasattr(python, "clear") else None
+    if hasattr(compiled, "clear"):  # cleared, each is as a fresh one
+        python.clear()
+        compiled.clear()
+        assert python_state(python) == compiled_state(compiled) == python_state(make_python(capacity))
+    else:
+        python, compiled = make_python(capacity), make_compiled(capacity)
     assert _first_difference(python, python_state, compiled, compiled_state, keys[::-1], *args) is None
 
 
