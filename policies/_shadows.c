@@ -1,15 +1,16 @@
-/* The adaptive policy's referee shadows in C: the same decisions as policies/adaptive.py's
- * _ShadowLRU, _ShadowARC and _GhostShadows (its _ShadowLiveARCs and their _GhostReferee),
- * at a fraction of their cost per request.
+/* The adaptive policies' referees in C: the same decisions as policies/adaptive.py's
+ * _ExpertReferee (its _ShadowLRU and _ShadowARC, and the switch test between them) and
+ * _GhostShadows (its _ShadowLiveARCs and their _GhostReferee), at a fraction of their cost.
  *
  * Why: every sampled request is replayed in each shadow (two for `adaptive`, five for
- * `adaptive-ghosts`), on vLLM's scheduler thread. In Python the ghost shadows and their
- * referee cost about a tenth of the manager's calls/s as vLLM drives it, more than the
- * margin over twice vLLM `arc`'s; here a sampled request is one call per referee.
+ * `adaptive-ghosts`) and scored, on vLLM's scheduler thread. In Python the scoring alone
+ * cost about as much as both shadows' replays; here a sampled request is one call per
+ * referee.
  *
  * The Python classes stay the reference: tests/policies/test_shadows.py holds each type here
- * in lockstep with its twin (hits, target p, lists, ghosts and the referee's counts after
- * every request), and policies/adaptive.py falls back to them where this was not built.
+ * in lockstep with its twin (what request returns, every list and ghost, targets and the
+ * referees' counts, after every request), and policies/adaptive.py falls back to them where
+ * this was not built.
  *
  * One table per shadow: a pool of nodes (key, hash, list links, hash chain), sized at
  * construction to the most keys the shadow can hold, a chained hash index over them, and up
@@ -225,20 +226,6 @@ list_keys(Table *t, int list, int with_marks)
     return out;
 }
 
-/* `key`'s node (NIL if none) and its hash, in a table whose __init__ has run; -2 with an
-   error set. */
-static Py_ssize_t
-table_lookup(Table *t, PyObject *key, Py_hash_t *hash)
-{
-    if (t->nodes == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "shadow used before __init__");
-        return -2;
-    }
-    if ((*hash = PyObject_Hash(key)) == -1)
-        return -2;
-    return table_find(t, key, *hash);
-}
-
 static int
 capacity_arg(Py_ssize_t capacity)
 {
@@ -249,61 +236,23 @@ capacity_arg(Py_ssize_t capacity)
     return 0;
 }
 
-/* __init__(capacity) of a shadow whose table holds up to `per_row * capacity + extra` keys. */
+/* ---- LRU ----------------------------------------------------------------------------- */
+
+/* One request in an LRU of `capacity` keys (list 0): 1 hit, 0 miss, -1 error. */
 static int
-init_with_capacity(Table *t, Py_ssize_t *capacity, PyObject *args, PyObject *kwargs, Py_ssize_t per_row,
-                   Py_ssize_t extra)
+lru_replay(Table *t, Py_ssize_t capacity, PyObject *key, Py_hash_t hash)
 {
-    static char *names[] = {"capacity", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", names, capacity) || capacity_arg(*capacity) < 0)
-        return -1;
-    table_free(t);
-    return table_init(t, per_row * *capacity + extra);
-}
-
-/* ---- LRU --------------------------------------------------------------------------- */
-
-typedef struct {
-    PyObject_HEAD
-    Table table;
-    Py_ssize_t capacity;
-} ShadowLRU;
-
-static int
-lru_init(ShadowLRU *self, PyObject *args, PyObject *kwargs)
-{
-    return init_with_capacity(&self->table, &self->capacity, args, kwargs, 1, 1);
-}
-
-static PyObject *
-lru_request(ShadowLRU *self, PyObject *key)
-{
-    Table *t = &self->table;
-    Py_hash_t hash;
-    Py_ssize_t i = table_lookup(t, key, &hash);
+    Py_ssize_t i = table_find(t, key, hash);
     if (i == -2)
-        return NULL;
+        return -1;
     if (i != NIL) {
         table_move(t, i, 0, 0);
-        Py_RETURN_TRUE;
+        return 1;
     }
-    if (t->lists[0].len >= self->capacity)
+    if (t->lists[0].len >= capacity)
         table_remove(t, t->lists[0].head);
     table_add(t, key, hash, 0, 0);
-    Py_RETURN_FALSE;
-}
-
-static PyObject *
-lru_keys(ShadowLRU *self, PyObject *Py_UNUSED(ignored))
-{
-    return list_keys(&self->table, 0, 0);
-}
-
-static PyObject *
-lru_clear(ShadowLRU *self, PyObject *Py_UNUSED(ignored))
-{
-    table_clear_list(&self->table, 0);
-    Py_RETURN_NONE;
+    return 0;
 }
 
 /* ---- ARC (the paper's, as _ShadowARC) -------------------------------------------------- */
@@ -339,34 +288,18 @@ target_after_ghost(double p, int from_t2, double ratio, double capacity)
     return p + step < capacity ? p + step : capacity;
 }
 
-typedef struct {
-    PyObject_HEAD
-    Table table;
-    Py_ssize_t capacity;
-    double p;
-} ShadowARC;
-
+/* One request in the paper's ARC of `capacity` keys with target `*p`: 1 hit, 0 miss, -1 error. */
 static int
-arc_init(ShadowARC *self, PyObject *args, PyObject *kwargs)
+arc_replay(Table *t, Py_ssize_t capacity, double *p, PyObject *key, Py_hash_t hash)
 {
-    self->p = 0.0;
-    return init_with_capacity(&self->table, &self->capacity, args, kwargs, 2, 2);
-}
-
-static PyObject *
-arc_request(ShadowARC *self, PyObject *key)
-{
-    Table *t = &self->table;
     List *l = t->lists;
-    Py_ssize_t capacity = self->capacity;
-    Py_hash_t hash;
-    Py_ssize_t i = table_lookup(t, key, &hash);
+    Py_ssize_t i = table_find(t, key, hash);
     if (i == -2)
-        return NULL;
+        return -1;
     if (arc_hit(t, i))
-        Py_RETURN_TRUE;
+        return 1;
     if (l[T1].len + l[T2].len >= capacity) {
-        if (victim_from_t1(l, self->p))
+        if (victim_from_t1(l, *p))
             table_move(t, l[T1].head, B1, 0);
         else
             table_move(t, l[T2].head, B2, 0);
@@ -387,35 +320,149 @@ arc_request(ShadowARC *self, PyObject *key)
     if (i != NIL) { /* back from B1 or B2: ARC's ghost rule, by the two lists' sizes */
         int from_t2 = t->nodes[i].list == B2;
         double ratio = from_t2 ? (double)l[B1].len / (double)l[B2].len : (double)l[B2].len / (double)l[B1].len;
-        self->p = target_after_ghost(self->p, from_t2, ratio, (double)capacity);
+        *p = target_after_ghost(*p, from_t2, ratio, (double)capacity);
         table_move(t, i, T2, 0);
     }
     else
         table_add(t, key, hash, T1, 0);
-    Py_RETURN_FALSE;
+    return 0;
 }
 
-static PyObject *
-arc_lists(ShadowARC *self, PyObject *Py_UNUSED(ignored))
-{
-    PyObject *parts[4] = {NULL, NULL, NULL, NULL};
-    for (int l = 0; l < 4; l++)
-        if ((parts[l] = list_keys(&self->table, l, 0)) == NULL)
-            goto fail;
-    return Py_BuildValue("(NNNN)", parts[0], parts[1], parts[2], parts[3]);
-fail:
-    for (int l = 0; l < 4; l++)
-        Py_XDECREF(parts[l]);
-    return NULL;
-}
+/* ---- the experts' referee (as _ExpertReferee) ------------------------------------------ */
 
-static PyObject *
-arc_clear(ShadowARC *self, PyObject *Py_UNUSED(ignored))
+enum { LRU_EXPERT, ARC_EXPERT };
+
+typedef struct {
+    PyObject_HEAD
+    Table lru, arc; /* the two shadows, each of `capacity` keys (ARC's ghosts besides) */
+    Py_ssize_t capacity;
+    double p; /* the ARC shadow's target */
+    double decay, long_decay, switch_z2, confirm_z2;
+    double scores[2], long_scores[2], apart, long_apart;
+    int expert;
+} ExpertReferee;
+
+static void
+referee_reset(ExpertReferee *self)
 {
-    for (int l = 0; l < 4; l++)
-        table_clear_list(&self->table, l);
     self->p = 0.0;
+    self->scores[0] = self->scores[1] = self->long_scores[0] = self->long_scores[1] = 0.0;
+    self->apart = self->long_apart = 0.0;
+    self->expert = LRU_EXPERT;
+}
+
+static int
+referee_init(ExpertReferee *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"capacity", "decay", "long_decay", "switch_z2", "confirm_z2", NULL};
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ndddd", names, &capacity, &self->decay, &self->long_decay,
+                                     &self->switch_z2, &self->confirm_z2) ||
+        capacity_arg(capacity) < 0)
+        return -1;
+    table_free(&self->lru);
+    table_free(&self->arc);
+    self->capacity = capacity;
+    referee_reset(self);
+    if (table_init(&self->lru, capacity + 1) < 0)
+        return -1;
+    return table_init(&self->arc, 2 * capacity + 2);
+}
+
+/* The request in both shadows, the decayed scores, and the switch test of
+   AdaptivePolicy._referee: the expert to take over now, or None. */
+static PyObject *
+referee_request(ExpertReferee *self, PyObject *key)
+{
+    if (self->lru.nodes == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "shadow used before __init__");
+        return NULL;
+    }
+    Py_hash_t hash = PyObject_Hash(key); /* once, for both shadows */
+    if (hash == -1)
+        return NULL;
+    int hit_lru = lru_replay(&self->lru, self->capacity, key, hash);
+    int hit_arc = hit_lru < 0 ? -1 : arc_replay(&self->arc, self->capacity, &self->p, key, hash);
+    if (hit_arc < 0)
+        return NULL;
+    double decay = self->decay, long_decay = self->long_decay;
+    double *scores = self->scores, *long_scores = self->long_scores;
+    scores[LRU_EXPERT] = scores[LRU_EXPERT] * decay + hit_lru;
+    scores[ARC_EXPERT] = scores[ARC_EXPERT] * decay + hit_arc;
+    long_scores[LRU_EXPERT] = long_scores[LRU_EXPERT] * long_decay + hit_lru;
+    long_scores[ARC_EXPERT] = long_scores[ARC_EXPERT] * long_decay + hit_arc;
+    int differ = hit_lru != hit_arc;
+    self->apart = self->apart * decay + differ;
+    self->long_apart = self->long_apart * long_decay + differ;
+    int expert = self->expert, other = 1 - expert;
+    double ahead = scores[other] - scores[expert];
+    if (ahead > 0 && ahead * ahead > self->switch_z2 * self->apart) {
+        ahead = long_scores[other] - long_scores[expert];
+        if (ahead > 0 && ahead * ahead > self->confirm_z2 * self->long_apart) {
+            self->expert = other;
+            return PyLong_FromLong(other);
+        }
+    }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+referee_state(ExpertReferee *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *lru = list_keys(&self->lru, 0, 0), *arc[4] = {NULL, NULL, NULL, NULL};
+    if (lru == NULL)
+        return NULL;
+    for (int l = 0; l < 4; l++)
+        if ((arc[l] = list_keys(&self->arc, l, 0)) == NULL) {
+            Py_DECREF(lru);
+            for (int k = 0; k < l; k++)
+                Py_DECREF(arc[k]);
+            return NULL;
+        }
+    return Py_BuildValue("(i(dd)d(dd)dN(NNNN)d)", self->expert, self->scores[0], self->scores[1], self->apart,
+                         self->long_scores[0], self->long_scores[1], self->long_apart, lru, arc[0], arc[1], arc[2],
+                         arc[3], self->p);
+}
+
+static PyObject *
+referee_clear(ExpertReferee *self, PyObject *Py_UNUSED(ignored))
+{
+    table_clear_list(&self->lru, 0);
+    for (int l = 0; l < 4; l++)
+        table_clear_list(&self->arc, l);
+    referee_reset(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+referee_get_scores(ExpertReferee *self, void *Py_UNUSED(closure))
+{
+    return Py_BuildValue("[dd]", self->scores[0], self->scores[1]);
+}
+
+static PyObject *
+referee_get_long_scores(ExpertReferee *self, void *Py_UNUSED(closure))
+{
+    return Py_BuildValue("[dd]", self->long_scores[0], self->long_scores[1]);
+}
+
+static int
+referee_set_expert(ExpertReferee *self, PyObject *value, void *Py_UNUSED(closure))
+{
+    long expert = value == NULL ? -1 : PyLong_AsLong(value);
+    if (expert != LRU_EXPERT && expert != ARC_EXPERT) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "expert must be 0 (LRU) or 1 (ARC)");
+        return -1;
+    }
+    self->expert = (int)expert;
+    return 0;
+}
+
+static PyObject *
+referee_get_expert(ExpertReferee *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->expert);
 }
 
 /* ---- the live ARC (adaptive's own, with ghost generations; as _ShadowLiveARC) ---------- */
@@ -658,14 +705,13 @@ fail:
 
 /* ---- the types ------------------------------------------------------------------------- */
 
-#define DEALLOC(name, type)                         \
-    static void name(type *self)                    \
-    {                                               \
-        table_free(&self->table);                   \
-        Py_TYPE(self)->tp_free((PyObject *)self);   \
-    }
-DEALLOC(lru_dealloc, ShadowLRU)
-DEALLOC(arc_dealloc, ShadowARC)
+static void
+referee_dealloc(ExpertReferee *self)
+{
+    table_free(&self->lru);
+    table_free(&self->arc);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
 
 static void
 ghosts_dealloc(GhostShadows *self)
@@ -674,16 +720,12 @@ ghosts_dealloc(GhostShadows *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyMethodDef lru_methods[] = {
-    {"request", (PyCFunction)lru_request, METH_O, "Replay one request; whether it hit."},
-    {"keys", (PyCFunction)lru_keys, METH_NOARGS, "Resident keys, least recent first."},
-    {"clear", (PyCFunction)lru_clear, METH_NOARGS, "Forget every key."},
-    {NULL},
-};
-static PyMethodDef arc_methods[] = {
-    {"request", (PyCFunction)arc_request, METH_O, "Replay one request; whether it hit."},
-    {"lists", (PyCFunction)arc_lists, METH_NOARGS, "(T1, T2, B1, B2), each oldest first."},
-    {"clear", (PyCFunction)arc_clear, METH_NOARGS, "Forget every key; p back to 0."},
+static PyMethodDef referee_methods[] = {
+    {"request", (PyCFunction)referee_request, METH_O,
+     "Replay one sampled request in both shadows; the expert to take over now, else None."},
+    {"state", (PyCFunction)referee_state, METH_NOARGS,
+     "(expert, scores, apart, long_scores, long_apart, LRU's keys, ARC's (T1, T2, B1, B2), p)."},
+    {"clear", (PyCFunction)referee_clear, METH_NOARGS, "Forget every key and count; LRU again."},
     {NULL},
 };
 static PyMethodDef ghosts_methods[] = {
@@ -695,23 +737,17 @@ static PyMethodDef ghosts_methods[] = {
     {NULL},
 };
 
-static PyObject *
-lru_len(ShadowLRU *self, void *Py_UNUSED(closure))
-{
-    return PyLong_FromSsize_t(self->table.lists[0].len);
-}
-
-static PyMemberDef lru_members[] = {
-    {"capacity", Py_T_PYSSIZET, offsetof(ShadowLRU, capacity), Py_READONLY, NULL},
+static PyMemberDef referee_members[] = {
+    {"capacity", Py_T_PYSSIZET, offsetof(ExpertReferee, capacity), Py_READONLY, "Each shadow's size."},
+    {"p", Py_T_DOUBLE, offsetof(ExpertReferee, p), Py_READONLY, "The ARC shadow's target size of T1."},
+    {"apart", Py_T_DOUBLE, offsetof(ExpertReferee, apart), Py_READONLY, NULL},
+    {"long_apart", Py_T_DOUBLE, offsetof(ExpertReferee, long_apart), Py_READONLY, NULL},
     {NULL},
 };
-static PyGetSetDef lru_getset[] = {
-    {"resident", (getter)lru_len, NULL, "Keys held.", NULL},
-    {NULL},
-};
-static PyMemberDef arc_members[] = {
-    {"capacity", Py_T_PYSSIZET, offsetof(ShadowARC, capacity), Py_READONLY, NULL},
-    {"p", Py_T_DOUBLE, offsetof(ShadowARC, p), Py_READONLY, "ARC's target size of T1."},
+static PyGetSetDef referee_getset[] = {
+    {"expert", (getter)referee_get_expert, (setter)referee_set_expert, "The expert followed now.", NULL},
+    {"scores", (getter)referee_get_scores, NULL, "Decayed hits of [LRU, ARC] (a copy).", NULL},
+    {"long_scores", (getter)referee_get_long_scores, NULL, "The same, with the long memory.", NULL},
     {NULL},
 };
 static PyMemberDef ghosts_members[] = {
@@ -719,30 +755,19 @@ static PyMemberDef ghosts_members[] = {
     {NULL},
 };
 
-static PyTypeObject ShadowLRUType = {
+static PyTypeObject ExpertRefereeType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "policies._shadows.ShadowLRU",
-    .tp_doc = "LRU of `capacity` keys: request() is a whole request (hit, or evict and insert).",
-    .tp_basicsize = sizeof(ShadowLRU),
+    .tp_name = "policies._shadows.ExpertReferee",
+    .tp_doc = "LRU and the paper's ARC as shadows of `capacity` keys, and the switch test "
+              "between them, as policies.adaptive._ExpertReferee decides.",
+    .tp_basicsize = sizeof(ExpertReferee),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)lru_init,
-    .tp_dealloc = (destructor)lru_dealloc,
-    .tp_methods = lru_methods,
-    .tp_members = lru_members,
-    .tp_getset = lru_getset,
-};
-static PyTypeObject ShadowARCType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "policies._shadows.ShadowARC",
-    .tp_doc = "The paper's ARC of `capacity` keys, as policies.adaptive._ShadowARC decides.",
-    .tp_basicsize = sizeof(ShadowARC),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)arc_init,
-    .tp_dealloc = (destructor)arc_dealloc,
-    .tp_methods = arc_methods,
-    .tp_members = arc_members,
+    .tp_init = (initproc)referee_init,
+    .tp_dealloc = (destructor)referee_dealloc,
+    .tp_methods = referee_methods,
+    .tp_members = referee_members,
+    .tp_getset = referee_getset,
 };
 static PyTypeObject GhostShadowsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -768,12 +793,12 @@ static struct PyModuleDef shadows_module = {
 PyMODINIT_FUNC
 PyInit__shadows(void)
 {
-    PyTypeObject *types[] = {&ShadowLRUType, &ShadowARCType, &GhostShadowsType};
-    const char *names[] = {"ShadowLRU", "ShadowARC", "GhostShadows"};
+    PyTypeObject *types[] = {&ExpertRefereeType, &GhostShadowsType};
+    const char *names[] = {"ExpertReferee", "GhostShadows"};
     PyObject *module = PyModule_Create(&shadows_module);
     if (module == NULL)
         return NULL;
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < 2; k++)
         if (PyType_Ready(types[k]) < 0 || PyModule_AddObjectRef(module, names[k], (PyObject *)types[k]) < 0) {
             Py_DECREF(module);
             return NULL;

@@ -219,56 +219,39 @@ class AdaptivePolicy(EvictionPolicy):
         self._ghosts_b2 = 0  # how many of both generations are marked: kept under ARC only
         self._mask = (1 << sample_bits) - 1
         shadow = max(MIN_SHADOW, capacity >> sample_bits)
-        lru_shadow, arc_shadow, self._ghost_shadows_type = SHADOWS
-        self._lru_shadow = lru_shadow(shadow)
-        self._arc_shadow = arc_shadow(shadow)
+        referee, self._ghost_shadows_type = SHADOWS
+        self._decay = 1.0 - 1.0 / (horizon * shadow)
+        self._experts = referee(
+            shadow, self._decay, 1.0 - 1.0 / (confirm * horizon * shadow), SWITCH_Z2, CONFIRM_Z2
+        )
         self._ghost_sizes = ghost_sizes
         self._start_ghost_referee()
-        self._decay = 1.0 - 1.0 / (horizon * shadow)
-        self._long_decay = 1.0 - 1.0 / (confirm * horizon * shadow)
         self._scale = capacity / shadow
-        self.scores = [0.0, 0.0]
-        self.apart = 0.0
-        self.long_scores = [0.0, 0.0]
-        self.long_apart = 0.0
         self.expert = LRU  # LRU until the shadows say otherwise: vLLM's default
 
     # -- the referee -------------------------------------------------------------------
 
     def _referee(self, key: Key) -> None:
-        """Replay one sampled request in the shadows; change expert only on significant evidence.
-
-        Scores are decayed hit counts; beside them the decayed count of requests on which
-        exactly one of the two hit. The scores' difference is a sum of those +-1
-        disagreements, so its noise is about the square root of their count: the policy
-        changes expert when the other's score is ahead by ``SWITCH_Z`` of those, and the
-        same counts with a ``confirm`` times longer memory put it ahead by ``CONFIRM_Z``.
-        """
-        decay, scores, long_decay, long_scores = self._decay, self.scores, self._long_decay, self.long_scores
-        hit_lru, hit_arc = self._lru_shadow.request(key), self._arc_shadow.request(key)
-        scores[LRU] = scores[LRU] * decay + hit_lru
-        scores[ARC] = scores[ARC] * decay + hit_arc
-        long_scores[LRU] = long_scores[LRU] * long_decay + hit_lru
-        long_scores[ARC] = long_scores[ARC] * long_decay + hit_arc
-        differ = hit_lru != hit_arc
-        self.apart = apart = self.apart * decay + differ
-        self.long_apart = long_apart = self.long_apart * long_decay + differ
-        other = ARC if self.expert == LRU else LRU
-        ahead = scores[other] - scores[self.expert]
-        if ahead > 0 and ahead * ahead > SWITCH_Z2 * apart:
-            ahead = long_scores[other] - long_scores[self.expert]
-            if ahead > 0 and ahead * ahead > CONFIRM_Z2 * long_apart:
-                self._take_over(other)
+        """Replay one sampled request in the referees (``_ExpertReferee``, and the ghost
+        shadows where there are several sizes); follow what they say now."""
+        expert = self._experts.request(key)
+        if expert is not None:
+            self._take_over(expert)
         if self._ghost_shadows is not None:
-            size = self._ghost_shadows.request(key, decay)
+            size = self._ghost_shadows.request(key, self._decay)
             if size is not None:
                 self._ghost_index = size
                 self._generation = _generation_of(self.capacity, self._ghost_sizes[size])
 
+    @property
+    def scores(self) -> list[float]:
+        """The referee's decayed shadow hits, ``[LRU, ARC]`` (a copy)."""
+        return list(self._experts.scores)
+
     def _start_ghost_referee(self) -> None:
         """Ghosts of the middle of ``ghost_sizes``, and shadows (one per size) that have seen
         nothing; none for one size."""
-        sizes, shadow = self._ghost_sizes, self._lru_shadow.capacity
+        sizes, shadow = self._ghost_sizes, self._experts.capacity
         self._ghost_index = start = len(sizes) // 2
         self._generation = _generation_of(self.capacity, sizes[start])
         self._ghost_shadows = (
@@ -297,13 +280,13 @@ class AdaptivePolicy(EvictionPolicy):
                 (t2 if frequent else t1)[key] = next(clock)
             self._order.clear()
             self._ghosts_b2 = sum(self._ghosts.values()) + sum(self._ghosts_old.values())
-            self.p = self._arc_shadow.p * self._scale
+            self.p = self._experts.p * self._scale
         else:
             t1, t2 = self._t1, self._t2
             self._order = OrderedDict((key, key in t2) for key in _by_last_use(t1, t2))
             t1.clear()
             t2.clear()
-        self.expert = expert
+        self.expert = self._experts.expert = expert
 
     def _remember(self, victims: Sequence[Key], marks: Iterable[bool], marked: int) -> None:
         """ARC's victims become ghosts with their marks (``marked`` of them ``True``, which
@@ -464,13 +447,8 @@ class AdaptivePolicy(EvictionPolicy):
             part.clear()
         self._ghosts_b2 = 0
         self.p = 0.0
-        self._lru_shadow.clear()
-        self._arc_shadow.clear()
+        self._experts.clear()
         self._start_ghost_referee()
-        self.scores = [0.0, 0.0]
-        self.apart = 0.0
-        self.long_scores = [0.0, 0.0]
-        self.long_apart = 0.0
         self.expert = LRU
 
 
@@ -549,6 +527,94 @@ class _ShadowARC(ARCPolicy):
         else:
             t1[key] = None
         return False
+
+
+class _ExpertReferee:
+    """The two experts' shadows (``_ShadowLRU``, ``_ShadowARC``) of ``capacity`` keys and the
+    switch test between them: ``request`` replays one sampled request in both and returns
+    the expert to take over now, if any.
+
+    Scores are decayed hit counts (``decay`` per sampled request); beside them the decayed
+    count of requests on which exactly one of the two hit. The scores' difference is a sum
+    of those +-1 disagreements, so its noise is about the square root of their count: the
+    referee leaves ``expert`` for the other when the other's score is ahead by ``SWITCH_Z``
+    of those and the same counts with the longer memory (``long_decay``) put it ahead by
+    ``CONFIRM_Z``. The reference for the compiled ``ExpertReferee``, which decides alike.
+    """
+
+    __slots__ = (
+        "apart",
+        "arc",
+        "confirm_z2",
+        "decay",
+        "expert",
+        "long_apart",
+        "long_decay",
+        "long_scores",
+        "lru",
+        "scores",
+        "switch_z2",
+    )
+
+    def __init__(
+        self, capacity: int, decay: float, long_decay: float, switch_z2: float, confirm_z2: float
+    ) -> None:
+        self.lru, self.arc = _ShadowLRU(capacity), _ShadowARC(capacity)
+        self.decay, self.long_decay = decay, long_decay
+        self.switch_z2, self.confirm_z2 = switch_z2, confirm_z2
+        self.clear()
+
+    @property
+    def capacity(self) -> int:
+        return self.lru.capacity
+
+    @property
+    def p(self) -> float:
+        """The ARC shadow's target size of ``T1``."""
+        return self.arc.p
+
+    def request(self, key: Key) -> int | None:
+        """Replay one sampled request; the expert to take over now, else ``None``."""
+        decay, scores, long_decay, long_scores = self.decay, self.scores, self.long_decay, self.long_scores
+        hit_lru, hit_arc = self.lru.request(key), self.arc.request(key)
+        scores[LRU] = scores[LRU] * decay + hit_lru
+        scores[ARC] = scores[ARC] * decay + hit_arc
+        long_scores[LRU] = long_scores[LRU] * long_decay + hit_lru
+        long_scores[ARC] = long_scores[ARC] * long_decay + hit_arc
+        differ = hit_lru != hit_arc
+        self.apart = apart = self.apart * decay + differ
+        self.long_apart = long_apart = self.long_apart * long_decay + differ
+        other = ARC if self.expert == LRU else LRU
+        ahead = scores[other] - scores[self.expert]
+        if ahead > 0 and ahead * ahead > self.switch_z2 * apart:
+            ahead = long_scores[other] - long_scores[self.expert]
+            if ahead > 0 and ahead * ahead > self.confirm_z2 * long_apart:
+                self.expert = other
+                return other
+        return None
+
+    def state(self) -> tuple:
+        """As the compiled ``ExpertReferee.state``: the counts, then each shadow's lists."""
+        arc = self.arc
+        return (
+            self.expert,
+            tuple(self.scores),
+            self.apart,
+            tuple(self.long_scores),
+            self.long_apart,
+            list(self.lru._order),
+            (list(arc._t1), list(arc._t2), list(arc._b1), list(arc._b2)),
+            arc.p,
+        )
+
+    def clear(self) -> None:
+        """Forget every key and count; LRU again."""
+        self.lru.clear()
+        self.arc.clear()
+        self.scores = [0.0, 0.0]
+        self.long_scores = [0.0, 0.0]
+        self.apart = self.long_apart = 0.0
+        self.expert = LRU
 
 
 class _ShadowLiveARC:
@@ -686,18 +752,18 @@ class _GhostShadows:
         return referee.current, referee.scale, list(referee.leads), list(referee.apart), shadows
 
 
-def _shadow_types() -> tuple[type, type, type]:
-    """The referee's shadow types: compiled (``policies/_shadows.c``, built at install where
-    a C compiler is found) or, where that module was not built, the Python ones above, which
+def _shadow_types() -> tuple[type, type]:
+    """The referees' types: compiled (``policies/_shadows.c``, built at install where a C
+    compiler is found) or, where that module was not built, the Python ones above, which
     make the same decisions (``tests/policies/test_shadows.py``) at several times the cost
     per sampled request."""
     try:
         from policies import _shadows
     except ImportError:
         logger.info("policies._shadows is not built: the adaptive policies' shadows run in Python (slower)")
-        return _ShadowLRU, _ShadowARC, _GhostShadows
-    return _shadows.ShadowLRU, _shadows.ShadowARC, _shadows.GhostShadows
+        return _ExpertReferee, _GhostShadows
+    return _shadows.ExpertReferee, _shadows.GhostShadows
 
 
 SHADOWS = _shadow_types()
-"""``(LRU, ARC, ghost shadows)`` types, as ``_shadow_types`` chose them at import."""
+"""``(experts' referee, ghost shadows)`` types, as ``_shadow_types`` chose them at import."""

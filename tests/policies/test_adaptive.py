@@ -310,8 +310,7 @@ def test_without_the_compiled_shadows_the_python_ones_run() -> None:
         "import sys; sys.modules['policies._shadows'] = None\n"  # import fails, as when not built
         "import policies.adaptive as a\n"
         "p = a.SizedGhostsAdaptivePolicy(64, sample_bits=1)\n"
-        "assert (type(p._lru_shadow), type(p._arc_shadow), type(p._ghost_shadows))"
-        " == (a._ShadowLRU, a._ShadowARC, a._GhostShadows)\n"
+        "assert (type(p._experts), type(p._ghost_shadows)) == (a._ExpertReferee, a._GhostShadows)\n"
         "evicted = 0\n"
         "for k in range(5000):\n"
         "    key = k % 300\n"
@@ -329,5 +328,5 @@ def test_without_the_compiled_shadows_the_python_ones_run() -> None:
     except ImportError:
         return
     sized = make_policy("adaptive-ghosts", 64)
-    assert type(sized._lru_shadow) is _shadows.ShadowLRU
+    assert type(sized._experts) is _shadows.ExpertReferee
     assert type(sized._ghost_shadows) is _shadows.GhostShadows
