@@ -160,7 +160,9 @@ def vllm_api_job(
 
 
 def direct_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: int, policy: str) -> Job:
-    """kvtier's ``HostTierManager`` (one group, host only) with the same calls, its own interface."""
+    """kvtier's ``HostTierManager`` (one group, host only) with the same calls, its own
+    interface, its events dropped each step as the adapter and the standalone API drop them
+    when nobody publishes them (kept, they made every eviction check them key by key)."""
     from offload.manager import HostTierManager, Lookup
     from policies.registry import make_policy
 
@@ -173,7 +175,7 @@ def direct_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: i
         lookup, prepare_load, touch = manager.lookup, manager.prepare_load, manager.touch
         complete_load, prepare_store = manager.complete_load, manager.prepare_store
         complete_store, finished = manager.complete_store, manager.on_request_finished
-        on_schedule_end = manager.on_schedule_end
+        on_schedule_end, drop_events = manager.on_schedule_end, manager.drop_events
         hit = Lookup.HIT
         hits = calls = 0
         for r, (keys, d) in enumerate(zip(requests, device_hits, strict=True)):
@@ -199,6 +201,7 @@ def direct_job(trace: Sequence[Request], device_hits: Sequence[int], capacity: i
                     calls += 1
             finished(str(r))
             on_schedule_end()
+            drop_events()  # as the adapter and the standalone API do when nobody publishes them
             calls += 2  # on_new_request is vLLM's alone
         return hits, calls
 

@@ -177,6 +177,9 @@ class Offloader:
                 self.manager.complete_store(keys, success=result.success)
             else:
                 self.manager.complete_load(keys)
+        # The standalone API publishes no KV events (vLLM's connector does): kept, they
+        # grew with every row stored below, and every eviction checked them key by key.
+        self.manager.drop_events()
         return results
 
     def wait(self, job_ids: Sequence[int] | None = None) -> list[TransferResult]:
