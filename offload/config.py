@@ -9,7 +9,7 @@
     [[tiers]]                # in order, fastest first; the first is the host tier
     kind = "host"
     capacity = "8GiB"
-    eviction = "adaptive"    # the default; or "lru", "arc", ..., or "my_pkg.mod:MyPolicy"
+    eviction = "adaptive-ghosts"  # the default; or "lru", "arc", ..., or "my_pkg.mod:MyPolicy"
     eviction_params = {}     # keyword arguments of the policy
 
     [[tiers]]
@@ -389,5 +389,5 @@ def _choice(raw: Mapping[str, Any], key: str, prefix: str, choices: tuple[str, .
 
 
 def default_config(host_capacity: str | int = "1GiB") -> KVTierConfig:
-    """A host tier only, LRU: what ``Offloader`` uses without a config."""
+    """A host tier only, with the default policy: what ``Offloader`` uses without a config."""
     return parse_config({"tiers": [{"kind": "host", "capacity": host_capacity}]})

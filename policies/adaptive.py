@@ -53,9 +53,13 @@ logger = logging.getLogger(__name__)
 SAMPLE_BITS = 5
 """One key in ``2 ** SAMPLE_BITS`` (by its hash) is replayed in the shadows, chosen on the
 scheduler table's five traces: one in 32 was as good as one in 16 there, at half the
-referee's cost. (Shadows of a fixed 256 to 512 rows, sampling large tiers more coarsely,
-moved no table cell but up, and lost 5-12% held out, on scan-mix-heavy at 10 and 20%: a
-scan-heavy tier is large, and its shadows then saw too few keys to leave LRU.)"""
+referee's cost. Measured again with the long memory (``CONFIRM``), on the table and the
+held-out traces: one in 16 ends under vLLM's better policy in three table cells, by 1.8%
+at worst, against two by 2.9%, for 3% of calls/s; one in 8 and every key (full-size
+shadows) in four and five, so no rate gives zero regret (docs/policies.md). Shadows of a
+fixed 256 to 512 rows, sampling large tiers more coarsely, moved no table cell but up, and
+lost 5-12% held out, on scan-mix-heavy at 10 and 20%: a scan-heavy tier is large, and its
+shadows then saw too few keys to leave LRU."""
 HORIZON = 2.0
 """Shadow hits decay with a half-life of about this many capacities of sampled requests."""
 SWITCH_Z = 2.0
@@ -75,17 +79,16 @@ GHOST_SIZES = (0.5,)
 """The sizes of ARC's ghost generations, in capacities, that a ghost referee chooses among,
 starting from the middle one; one size (the default: half a capacity) needs no referee."""
 SIZED_GHOSTS = (0.25, 0.5, 2.0)
-"""``adaptive-ghosts``' sizes. Which keys count as back from a ghost (frequent, and moving
-ARC's target) decides much of ARC's split, and no one size wins: on ``kvtier bench
-policy``'s traces at host 10%, a quarter of a capacity gained 11% over vLLM ``arc`` on
-agentic and lost 4% on the production trace, two capacities the reverse (docs/policies.md).
-Chosen on the table's five traces and the held-out ones together, among 0.25 / 0.5 / 1 and
-0.25 / 0.5 / 2 (and two- and four-size sets): the doubled ghost gained most on the
-production trace and scans without a cell lost. Not the default: on the production trace at
-host 10% it runs at 0.91-0.92x ``adaptive``'s calls/s as vLLM drives it, 1.97-2.13x vLLM
-``arc``'s (four runs), under the 2x the default must hold. Its shadows, compiled
-(``policies/_shadows.c``), cost little (0.35 against 0.34 microseconds per sampled request,
-1.01 in Python); what remains is its longer ghosts and the hits they win."""
+"""``adaptive-ghosts``' sizes (the host tier's default policy). Which keys count as back from
+a ghost (frequent, and moving ARC's target) decides much of ARC's split, and no one size
+wins: on ``kvtier bench policy``'s traces at host 10%, a quarter of a capacity gained 11%
+over vLLM ``arc`` on agentic and lost 4% on the production trace, two capacities the
+reverse (docs/policies.md). Chosen on the table's five traces and the held-out ones
+together, among 0.25 / 0.5 / 1 and 0.25 / 0.5 / 2 (and two- and four-size sets): the
+doubled ghost gained most on the production trace and scans without a cell lost. Its cost
+is the ghosts kept (up to four capacities of keys) and the hits they win: 0.94-0.98x
+``adaptive``'s calls/s on the production trace at host 10%, 2.05-2.12x vLLM ``arc``'s
+there, since its referees are compiled (``policies/_shadows.c``)."""
 MIN_SHADOW = 16
 """Shadow caches hold at least this many rows. The sample stays one key in ``2 **
 sample_bits``, so a tier under ``MIN_SHADOW << sample_bits`` rows (512) has shadows that
@@ -454,9 +457,9 @@ class AdaptivePolicy(EvictionPolicy):
 
 class SizedGhostsAdaptivePolicy(AdaptivePolicy):
     """``adaptive`` that also chooses the size of ARC's ghosts among ``SIZED_GHOSTS`` by three
-    more sampled shadows: more hits where ARC leads (``kvtier bench policy``: +11% over vLLM
-    ``arc`` on agentic at host 10% where ``adaptive`` gets +7.5%, +6.6% on the production
-    trace where it gets +3.8%), at 0.91-1.07x its calls/s with the compiled shadows."""
+    more sampled shadows, the host tier's default: more hits where ARC leads (``kvtier bench
+    policy``: +11% over vLLM ``arc`` on agentic at host 10% where ``adaptive`` gets +7.5%,
+    +6.6% on the production trace where it gets +3.8%), a few percent slower."""
 
     name = "adaptive-ghosts"
     default_ghost_sizes = SIZED_GHOSTS

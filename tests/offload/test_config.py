@@ -54,7 +54,7 @@ def test_dict_form_is_the_same_as_the_file():
         {"tiers": [{"kind": "host", "capacity": 1024}, {"kind": "disk", "path": "/tmp/x", "capacity": 1024}]}
     )
     assert config.host.capacity_bytes == 1024
-    assert (config.host.eviction, config.tiers[1].eviction) == ("adaptive", "lru")  # the defaults
+    assert (config.host.eviction, config.tiers[1].eviction) == ("adaptive-ghosts", "lru")  # the defaults
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_sizes(value, expected):
         ),
         (
             [{"kind": "host", "capacity": "1GiB", "eviction_params": {"nope": 1}}],
-            r"tiers\[0\]\.eviction = 'adaptive': .*bad parameters",
+            r"tiers\[0\]\.eviction = 'adaptive-ghosts': .*bad parameters",
         ),
         (
             [{"kind": "disk", "capacity": "1GiB", "path": "/x"}],
