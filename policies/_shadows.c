@@ -356,17 +356,26 @@ referee_init(ExpertReferee *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"capacity", "decay", "long_decay", "switch_z2", "confirm_z2", NULL};
     Py_ssize_t capacity;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ndddd", names, &capacity, &self->decay, &self->long_decay,
-                                     &self->switch_z2, &self->confirm_z2) ||
+    double decay, long_decay, switch_z2, confirm_z2;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ndddd", names, &capacity, &decay, &long_decay, &switch_z2,
+                                     &confirm_z2) ||
         capacity_arg(capacity) < 0)
-        return -1;
+        return -1; /* a referee whose __init__ ran before is left as it was */
     table_free(&self->lru);
     table_free(&self->arc);
     self->capacity = capacity;
+    self->decay = decay;
+    self->long_decay = long_decay;
+    self->switch_z2 = switch_z2;
+    self->confirm_z2 = confirm_z2;
     referee_reset(self);
     if (table_init(&self->lru, capacity + 1) < 0)
         return -1;
-    return table_init(&self->arc, 2 * capacity + 2);
+    if (table_init(&self->arc, 2 * capacity + 2) < 0) {
+        table_free(&self->lru); /* neither, so request() refuses as before __init__ */
+        return -1;
+    }
+    return 0;
 }
 
 /* The request in both shadows, the decayed scores, and the switch test of

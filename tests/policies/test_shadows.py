@@ -200,6 +200,11 @@ def test_bad_input_is_an_error() -> None:
         referee.expert = 2
     referee.expert = 1
     assert referee.state()[0] == 1
+    twin = _experts(shadows.ExpertReferee, 4)
+    twin.expert = 1
+    with pytest.raises(ValueError, match="capacity"):
+        referee.__init__(0, 0.1, 0.1, 1.0, 1.0)  # refused: left as it was, not half changed
+    assert _first_difference(twin, _state, referee, _state, _mixed(4, universe=40, length=400)) is None
     requests = ((shadows.ExpertReferee, (1,)), (shadows.GhostShadows, (1, 0.5)))
     for kind, args in requests:
         uninitialised = kind.__new__(kind)
