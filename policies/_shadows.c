@@ -795,7 +795,7 @@ static PyTypeObject GhostShadowsType = {
 static struct PyModuleDef shadows_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "policies._shadows",
-    .m_doc = "The adaptive policy's referee shadows, compiled (policies/adaptive.py has the reference).",
+    .m_doc = "The adaptive policies' referees, compiled (policies/adaptive.py has the reference).",
     .m_size = -1,
 };
 

@@ -289,6 +289,8 @@ class AdaptivePolicy(EvictionPolicy):
             self._order = OrderedDict((key, key in t2) for key in _by_last_use(t1, t2))
             t1.clear()
             t2.clear()
+        # Two copies: the referee tests the other expert against its own, and the policy
+        # reads its own on every call (an attribute, not a getter into the C referee).
         self.expert = self._experts.expert = expert
 
     def _remember(self, victims: Sequence[Key], marks: Iterable[bool], marked: int) -> None:
