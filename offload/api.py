@@ -28,7 +28,7 @@ import torch
 from offload.config import ConfigError, KVTierConfig, default_config, load_config
 from offload.keys import OffloadKey, key_group
 from offload.layout import CanonicalKVCaches, canonicalize
-from offload.manager import Lookup
+from offload.manager import Lookup, TierEvent
 from offload.row_layout import RowConverter, RowLayout
 from offload.stack import build_manager
 from offload.worker import OffloadingWorker, TransferResult
@@ -54,13 +54,18 @@ class Offloader:
         shard: tuple[int, int] = (0, 1),
         kv_layout: str = "NHD",
         convert_on_load: bool | None = None,
+        kv_events: bool = False,
     ) -> None:
         """``kv_layout`` names the per-block dims of the given tensors (``"NHD"``: tokens,
         heads, head dim; or ``"HND"``); see ``offload.layout.canonicalize``. Rows stored by
         an engine with another physical layout or block size (same model, dtype, shard and
         tokens per key) are converted (``offload.row_layout``): by the worker as it loads
         them (``convert_on_load``, the default on a GPU: torch ops in device memory), else on
-        the CPU once, as they land in the host tier (the default on CPU)."""
+        the CPU once, as they land in the host tier (the default on CPU).
+
+        ``kv_events``: keep the tiers' KV events (rows stored in, removed from each tier), as
+        vLLM's connector publishes them to a KV-aware router, for ``take_events``; without
+        it each ``poll`` drops them."""
         if config is None:
             config = default_config()
         elif not isinstance(config, KVTierConfig):
@@ -104,6 +109,7 @@ class Offloader:
             raise
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, tuple[bool, list[OffloadKey]]] = {}
+        self._kv_events: list[TierEvent] | None = [] if kv_events else None
 
     def lookup(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` can be loaded now.
@@ -177,10 +183,23 @@ class Offloader:
                 self.manager.complete_store(keys, success=result.success)
             else:
                 self.manager.complete_load(keys)
-        # The standalone API publishes no KV events (vLLM's connector does): kept, they
-        # grew with every row stored below, and every eviction checked them key by key.
-        self.manager.drop_events()
+        # Events nobody takes are dropped: kept in the manager, they grew with every row
+        # stored below, and every eviction checked them key by key.
+        if self._kv_events is None:
+            self.manager.drop_events()
+        else:
+            self._kv_events.extend(self.manager.take_events())
         return results
+
+    def take_events(self) -> list[TierEvent]:
+        """The KV events the polls since the last call took, in order (an engine built with
+        ``kv_events=True``): each names the keys stored in, or removed from, one tier
+        (``medium``). They are kept until taken, so a caller that asks for them takes them
+        once per step."""
+        if self._kv_events is None:
+            raise RuntimeError("this Offloader drops KV events: build it with kv_events=True to take them")
+        events, self._kv_events = self._kv_events, []
+        return events
 
     def wait(self, job_ids: Sequence[int] | None = None) -> list[TransferResult]:
         """Block until the jobs (default: all) finish; returns what ``poll`` returns."""

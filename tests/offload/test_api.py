@@ -12,6 +12,7 @@ import torch
 from offload.api import Offloader
 from offload.config import ConfigError
 from offload.keys import make_key
+from offload.manager import HOST_MEDIUM
 from tests.offload.layouts import LAYOUTS, NUM_BLOCKS, packed_views, per_layer_blocks_first, scramble
 from tiers.host import machine_memory_bytes
 
@@ -261,6 +262,35 @@ def test_poll_keeps_no_events_nobody_takes(tmp_path):
         stats = offloader.stats()
     assert stats["tiers"]["disk"]["rows"] == 40 and stats["evictions"] >= 36
     assert left == []
+
+
+def test_an_offloader_built_for_kv_events_hands_each_tiers_events_over_once(tmp_path):
+    """A KV-aware router learns what each tier holds: rows stored in the host tier, spilled to
+    disk, evicted from the host tier, each once, in the order the polls took them."""
+    kv, groups = per_layer_blocks_first()
+    with Offloader(kv, groups) as probe:
+        row = probe.caches.row_bytes(0)
+        with pytest.raises(RuntimeError, match="kv_events=True"):
+            probe.take_events()
+    keys = keys_for("k", 6)
+    with Offloader(kv, groups, host_and_disk(tmp_path, 4 * row), kv_events=True) as offloader:
+        for i, key in enumerate(keys):
+            offloader.store([key], [i])
+            offloader.wait()
+            offloader.wait_tiers()
+        offloader.poll()
+        events = offloader.take_events()
+        assert offloader.take_events() == []  # taken once
+    by_kind: dict[tuple[str, bool], list[bytes]] = {}
+    for event in events:
+        by_kind.setdefault((event.medium, event.removed), []).extend(event.keys)
+    assert by_kind[(HOST_MEDIUM, False)] == keys  # stored in the host tier, in order
+    assert sorted(by_kind[(HOST_MEDIUM, True)]) == sorted(keys[:2])  # the two evicted
+    disk = [medium for medium, _removed in by_kind if medium != HOST_MEDIUM]
+    assert len(disk) == 1 and sorted(by_kind[(disk[0], False)]) == sorted(keys)  # all spilled
+    stored_at = events.index(next(e for e in events if keys[0] in e.keys and not e.removed))
+    removed_at = events.index(next(e for e in events if keys[0] in e.keys and e.removed))
+    assert stored_at < removed_at
 
 
 def test_a_host_tier_larger_than_the_machine_is_a_config_error_naming_the_key():
