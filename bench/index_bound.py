@@ -430,55 +430,96 @@ def bounds(
         raise ValueError("a table refitted on the past is fitted on the replayed trace: no fit_trace")
     device, host = _sizes(trace, device_fraction, host_fraction)
     device_hits = device_prefix_hits(trace, device)
-    turn = turns(trace)
-
-    def by_turn(i: int, _request: Request) -> Callable[[Key], object]:
-        return lambda _key: turn[i]
-
     out = {
         "sampled-lru": replay(
             trace, host, device_hits, ClockedIndex(host, lambda _s, idle: -idle), lambda *_: lambda _k: None
         )
     }
-    if "generator" in which:
-        out["generator"] = replay(trace, host, device_hits, ClockedIndex(host, generator_value), by_turn)
-    if "horizon" in which:
-        out["horizon"] = replay(trace, host, device_hits, ClockedIndex(host, horizon_value), by_turn)
+    out.update(law_indexes(trace, host, device_hits, [b for b in which if b in LAW_VALUES]))
     if "fitted" in which:
-        past = PastTable() if refit_every else None
-        if past is not None:
-            fitted: dict[tuple, list[float]] = {}
+        if refit_every:
+            table = None
         elif fit_trace is None:
-            fitted = fit_table(trace, device_hits)
+            table = fit_table(trace, device_hits)
         else:
             fit_device, _ = _sizes(fit_trace, device_fraction, host_fraction)
-            fitted = fit_table(fit_trace, device_prefix_hits(fit_trace, fit_device))
-        new = new_blocks(trace)
-        uses: Counter[int] = Counter()
-
-        def fitted_state(i: int, request: Request) -> Callable[[Key], object]:
-            nonlocal fitted
-            n = len(request.keys)
-            position = {key: p for p, key in enumerate(request.keys)}
-            for key in request.keys:
-                uses[key] += 1
-            if past is not None:
-                if i and i % refit_every == 0:
-                    fitted = past.table(request.timestamp)
-                classes = [_class(turn[i], uses[k], p == n - 1, new[i]) for p, k in enumerate(request.keys)]
-                past.observe(request, device_hits[i], classes)
-            return lambda key: _class(turn[i], uses[key], position.get(key) == n - 1, new[i])
-
-        def fitted_value(cls: object, idle: float) -> float:
-            if not fitted:
-                return -idle
-            row = fitted.get(cls)  # type: ignore[call-overload]
-            if row is None and past is not None:  # a class not met yet: what its like did
-                row = fitted.get(_pooled(cls)) or fitted[()]  # type: ignore[arg-type]
-            return row[_age_bin(idle)] if row else 0.0
-
-        out["fitted"] = replay(trace, host, device_hits, ClockedIndex(host, fitted_value), fitted_state)
+            table = fit_table(fit_trace, device_prefix_hits(fit_trace, fit_device))
+        out["fitted"] = fitted_replay(trace, host, device_hits, table, refit_every)
     return out
+
+
+LAW_VALUES: dict[str, Callable[[object, float], float]] = {
+    "generator": generator_value,
+    "horizon": horizon_value,
+}
+"""The indexes handed multi-turn's law, by bound name."""
+
+
+def law_indexes(
+    trace: Sequence[Request], host: int, device_hits: Sequence[int], which: Sequence[str] = tuple(LAW_VALUES)
+) -> dict[str, float]:
+    """Host hit ratio of each index in ``which`` valued by the multi-turn generator's law (a
+    block's conversation's turn count and idle time): the online bound on a trace that law
+    drew, which knows all that can be known of a block there and none of the future."""
+    turn = turns(trace)
+
+    def by_turn(i: int, _request: Request) -> Callable[[Key], object]:
+        return lambda _key: turn[i]
+
+    return {
+        name: replay(trace, host, device_hits, ClockedIndex(host, LAW_VALUES[name]), by_turn)
+        for name in which
+    }
+
+
+def online_index(
+    trace: Sequence[Request], host: int, device_hits: Sequence[int], refit_every: int = 0
+) -> float:
+    """Host hit ratio of the class index whose table is refitted on the replayed past (every
+    ``refit_every`` requests, by default 1% of them): an index policy that learns online,
+    the reference ``kvtier bench policy`` prints beside OPT."""
+    return fitted_replay(trace, host, device_hits, None, refit_every or max(1, len(trace) // 100))
+
+
+def fitted_replay(
+    trace: Sequence[Request],
+    host: int,
+    device_hits: Sequence[int],
+    table: dict[tuple, list[float]] | None,
+    refit_every: int = 0,
+) -> float:
+    """Host hit ratio of the index valued by ``table``, or with ``table=None`` by a
+    ``PastTable`` refitted every ``refit_every`` requests (recency decides until the first
+    fit)."""
+    if table is None and refit_every <= 0:
+        raise ValueError("without a table, the index refits one on the past: refit_every > 0")
+    past = PastTable() if table is None else None
+    fitted = table or {}
+    turn, new = turns(trace), new_blocks(trace)
+    uses: Counter[int] = Counter()
+
+    def fitted_state(i: int, request: Request) -> Callable[[Key], object]:
+        nonlocal fitted
+        n = len(request.keys)
+        position = {key: p for p, key in enumerate(request.keys)}
+        for key in request.keys:
+            uses[key] += 1
+        if past is not None:
+            if i and i % refit_every == 0:
+                fitted = past.table(request.timestamp)
+            classes = [_class(turn[i], uses[k], p == n - 1, new[i]) for p, k in enumerate(request.keys)]
+            past.observe(request, device_hits[i], classes)
+        return lambda key: _class(turn[i], uses[key], position.get(key) == n - 1, new[i])
+
+    def fitted_value(cls: object, idle: float) -> float:
+        if not fitted:
+            return -idle
+        row = fitted.get(cls)  # type: ignore[call-overload]
+        if row is None and past is not None:  # a class not met yet: what its like did
+            row = fitted.get(_pooled(cls)) or fitted[()]  # type: ignore[arg-type]
+        return row[_age_bin(idle)] if row else 0.0
+
+    return replay(trace, host, device_hits, ClockedIndex(host, fitted_value), fitted_state)
 
 
 FIT_ON = ("other", "same", "past")

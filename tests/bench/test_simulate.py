@@ -173,15 +173,17 @@ def test_benchmark_runs_and_writes_json(tmp_path, capsys) -> None:
     report = figures["traces"]["scan-mix"]
     assert set(report["policies"]) == {"lru", "arc"}
     assert all(0 <= v <= report["opt"] for v in report["policies"].values())
+    assert 0 < report["online_index"] <= report["opt"] and report["law_index"] is None  # scan-mix has no law
     printed = capsys.readouterr().out
     assert "kvtier bench policy --traces scan-mix" in printed and "OPT (Belady)" in printed
+    assert "index, online" in printed
     with pytest.raises(SystemExit):
         main(["--trace-fraction", "0"])
 
 
 def test_the_host_size_sweep_reports_every_size_and_its_targets(tmp_path, capsys) -> None:
     out = tmp_path / "sweep.json"
-    argv = ["--traces", "agentic", "--policies", "lru,arc", "--no-vllm", "--jobs", "1"]
+    argv = ["--traces", "agentic", "--policies", "lru,arc", "--no-vllm", "--no-index", "--jobs", "1"]
     assert main([*argv, "--host-fractions", "0.2,0.05", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     small, large = figures["sweep"]["agentic"]  # smallest first
@@ -249,6 +251,30 @@ def test_the_block_size_option_parses_at_the_edge() -> None:
     assert parser.parse_args(["--trace-block-tokens", "16"]).trace_block_tokens == 16
     with pytest.raises(SystemExit):
         parser.parse_args(["--trace-block-tokens", "-1"])
+
+
+def test_on_multi_turn_the_gain_target_is_the_index_handed_the_generators_law(capsys) -> None:
+    from bench.policy import TraceReport, print_targets, targets
+
+    def report(law: float) -> TraceReport:
+        return TraceReport(
+            "multi-turn", {}, 1, 1, 0.0, policies={"lru": 0.255}, vllm={"arc": 0.24}, opt=0.33, law_index=law
+        )
+
+    assert targets({"multi-turn": report(law=0.25)})["multi-turn"]["reaches_law_index"]
+    summary = targets({"multi-turn": report(law=0.26)})
+    assert not summary["multi-turn"]["reaches_law_index"]
+    print_targets(summary)
+    printed = capsys.readouterr().out
+    assert "[bound: NOT met]" in printed and "[+10%" not in printed  # not vLLM arc +10% there
+
+
+def test_the_law_index_runs_on_multi_turn_only(tmp_path) -> None:
+    out = tmp_path / "policy.json"
+    argv = ["--traces", "multi-turn", "--policies", "lru", "--no-vllm", "--no-throughput", "--jobs", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["traces"]["multi-turn"]
+    assert report["online_index"] < report["law_index"] <= report["opt"]
 
 
 def test_the_targets_judge_policies_a_configuration_can_name_not_the_learned_references() -> None:
