@@ -312,6 +312,12 @@ def _rel(a: float, b: float) -> str:
     return f"{100 * (a / b - 1):+6.1f}%" if b else "     -"
 
 
+def _ratio_row(name: str, value: float, opt: float, arc: float | None) -> str:
+    """One row of a trace's table: hit ratio, against OPT and, where it ran, vLLM ``arc``."""
+    line = f"   {name:<18}{_pct(value):>10}{_rel(value, opt):>9}"
+    return line + f"{_rel(value, arc):>13}" if arc is not None else line
+
+
 def print_trace(report: TraceReport, fraction_note: str, flush: bool = False) -> None:
     s = report.stats
     print(
@@ -329,23 +335,18 @@ def print_trace(report: TraceReport, fraction_note: str, flush: bool = False) ->
     print(header)
     rows = [(f"vllm:{p}", v) for p, v in report.vllm.items()] + list(report.policies.items())
     for name, value in rows:
-        line = f"   {name:<18}{_pct(value):>10}{_rel(value, report.opt):>9}"
-        if arc is not None:
-            line += f"{_rel(value, arc):>13}"
-        print(line)
+        print(_ratio_row(name, value, report.opt, arc))
     print(f"   {'OPT (Belady)':<18}{_pct(report.opt):>10}")
     if report.online_index is not None:
-        index = report.online_index
-        line = f"   {'index, online':<18}{_pct(index):>10}{_rel(index, report.opt):>9}"
-        if arc is not None:
-            line += f"{_rel(index, arc):>13}"
-        print(line + "   (a class index refitted on the past: python -m bench.index_bound --fit-on past)")
+        print(
+            _ratio_row("index, online", report.online_index, report.opt, arc)
+            + "   (a class index refitted on the past: python -m bench.index_bound --fit-on past)"
+        )
     if report.law_index is not None:
-        law = report.law_index
-        line = f"   {'index, the law':<18}{_pct(law):>10}{_rel(law, report.opt):>9}"
-        if arc is not None:
-            line += f"{_rel(law, arc):>13}"
-        print(line + "   (handed the generator's law, the online bound: python -m bench.index_bound)")
+        print(
+            _ratio_row("index, the law", report.law_index, report.opt, arc)
+            + "   (handed the generator's law, the online bound: python -m bench.index_bound)"
+        )
     best, value = report.best()
     reference = report.best_reference()
     learned = f" (learned reference: {reference[0]} {_pct(reference[1]).strip()})" if reference else ""
