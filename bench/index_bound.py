@@ -236,34 +236,29 @@ def _age_bin(age_ms: float) -> int:
     return bisect.bisect_right(EDGES_MS, age_ms) - 1
 
 
+def request_classes(trace: Sequence[Request]) -> list[list[tuple]]:
+    """Each request's blocks' classes after its use: the request's turn, the block's uses so
+    far, whether it is the request's last block, and the request's new blocks (bucketed)."""
+    turn, new = turns(trace), new_blocks(trace)
+    uses: Counter[int] = Counter()
+    out = []
+    for i, request in enumerate(trace):
+        n = len(request.keys)
+        classes = []
+        for p, key in enumerate(request.keys):
+            uses[key] += 1
+            classes.append(_class(turn[i], uses[key], p == n - 1, new[i]))
+        out.append(classes)
+    return out
+
+
 def fit_table(trace: Sequence[Request], device_hits: Sequence[int]) -> dict[tuple, list[float]]:
     """Per class, per age bin: the best returns per slot-time over any horizon from that age
     (returns the tiers serve; a block never used again holds its slot to the horizon)."""
-    turn, new = turns(trace), new_blocks(trace)
-    uses: Counter[int] = Counter()
-    last: dict[int, tuple[tuple, float]] = {}
-    gaps: defaultdict[tuple, list[float | None]] = defaultdict(list)
-    for i, (request, d) in enumerate(zip(trace, device_hits, strict=True)):
-        n = len(request.keys)
-        for p, key in enumerate(request.keys):
-            if key in last:
-                cls, then = last[key]
-                gaps[cls].append(request.timestamp - then if p >= d else None)
-            uses[key] += 1
-            last[key] = (_class(turn[i], uses[key], p == n - 1, new[i]), request.timestamp)
-    for cls, _then in last.values():
-        gaps[cls].append(None)
-    table: dict[tuple, list[float]] = {}
-    for cls, values in gaps.items():
-        hits = [0.0] * len(EDGES_MS)
-        dead = 0
-        for gap in values:
-            if gap is None:
-                dead += 1
-            else:
-                hits[_age_bin(gap)] += 1
-        table[cls] = _density_row(hits, dead)
-    return table
+    past = PastTable()
+    for request, d, classes in zip(trace, device_hits, request_classes(trace), strict=True):
+        past.observe(request, d, classes)
+    return past.final_table()
 
 
 _BIN_ENDS = [*EDGES_MS[1:], EDGES_MS[-1] * 1.5]
@@ -323,6 +318,17 @@ class PastTable:
                 else:
                     self._dead[then_cls] += 1
             self._open[key] = (cls, request.timestamp)
+
+    def final_table(self) -> dict[tuple, list[float]]:
+        """``fit_table``'s table, once the whole trace is observed: a block not used again
+        is counted dead (its trace is over), and each class has its own row."""
+        dead = Counter(self._dead)
+        for cls, _then in self._open.values():
+            dead[cls] += 1
+        zeros = [0] * len(EDGES_MS)
+        return {
+            cls: _density_row(self._returns.get(cls, zeros), dead[cls]) for cls in {*self._returns, *dead}
+        }
 
     def table(self, now: float) -> dict[tuple, list[float]]:
         """Each class's row, or where the class has fewer than ``BACK_OFF`` blocks behind it,
@@ -495,21 +501,16 @@ def fitted_replay(
         raise ValueError("without a table, the index refits one on the past: refit_every > 0")
     past = PastTable() if table is None else None
     fitted = table or {}
-    turn, new = turns(trace), new_blocks(trace)
-    uses: Counter[int] = Counter()
+    classes_of = request_classes(trace)
 
     def fitted_state(i: int, request: Request) -> Callable[[Key], object]:
         nonlocal fitted
-        n = len(request.keys)
-        position = {key: p for p, key in enumerate(request.keys)}
-        for key in request.keys:
-            uses[key] += 1
+        classes = classes_of[i]
         if past is not None:
             if i and i % refit_every == 0:
                 fitted = past.table(request.timestamp)
-            classes = [_class(turn[i], uses[k], p == n - 1, new[i]) for p, k in enumerate(request.keys)]
             past.observe(request, device_hits[i], classes)
-        return lambda key: _class(turn[i], uses[key], position.get(key) == n - 1, new[i])
+        return dict(zip(request.keys, classes, strict=True)).__getitem__
 
     def fitted_value(cls: object, idle: float) -> float:
         if not fitted:
