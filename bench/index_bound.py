@@ -58,6 +58,7 @@ from bench.traces import (
     generate,
     load_jsonl,
     split_in_time,
+    trace_names,
     trace_stats,
 )
 from policies.base import Key
@@ -579,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             fit_trace, fitted_on = halves[other], f"fitted on {other}"
         source = f" --trace-block-tokens {args.trace_block_tokens or 0}"
     else:
+        if args.trace not in trace_names():
+            names = ", ".join([*trace_names(), "real", *REAL_HALVES])
+            parser.error(f"unknown trace {args.trace!r}: choose one of {names}")
         trace = generate(args.trace, seed=args.seed)
         if fit_on == "other":
             fit_trace, fitted_on = generate(args.trace, seed=args.seed + 1), f"fitted on seed {args.seed + 1}"

@@ -78,6 +78,8 @@ def test_the_command_line_rejects_what_it_cannot_bound(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         main(["--bounds", "oracle"])
     with pytest.raises(SystemExit):
+        main(["--trace", "nope", "--bounds", "fitted"])
+    with pytest.raises(SystemExit):
         main(["--bounds", "fitted", "--refit-every", "10"])  # refits are of a table fitted on the past
     assert "generator" in capsys.readouterr().err
 
