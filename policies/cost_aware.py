@@ -109,6 +109,16 @@ class CostAwarePolicy(EvictionPolicy):
         self._dequeue(key)
         self._enqueue(key, slot[0], min(slot[1] + 1, self.max_frequency))
 
+    def on_renew(self, keys: Sequence[Key]) -> None:
+        """Each resident key's priority is set again from today's inflation, its count kept:
+        in GDSF recency *is* the inflation a key was last priced at, so this is what makes
+        it the most recent without counting a use."""
+        for key in keys:
+            slot = self._where.get(key)
+            if slot is not None:
+                self._dequeue(key)
+                self._enqueue(key, *slot)
+
     def on_remove(self, key: Key) -> None:
         if key in self._where:
             self._dequeue(key)

@@ -22,6 +22,8 @@ class S3FIFOPolicy(EvictionPolicy):
 
     - insert: into main if the key is a ghost, else into small; its counter starts at 0.
     - hit: the counter goes up, saturating at 3. Nothing moves.
+    - renewal: ignored. The queues are in insertion order, which a renewal (order, not a
+      use) does not change; a renewed key's counter is left alone for the same reason.
     - evict: while small holds at least ``small_fraction`` of the capacity, its oldest key
       either moves to main (counter >= ``move_threshold``) or is evicted into the ghost
       FIFO; otherwise main's oldest key is evicted if its counter is 0, else it goes back

@@ -10,7 +10,7 @@ blocks therefore never flushes the blocks that are reused.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from policies.base import Evictable, EvictionPolicy, Key, always_evictable
 from policies.sketch import FrequencySketch
@@ -25,6 +25,8 @@ class TinyLFUPolicy(EvictionPolicy):
       probation (no eviction needed yet).
     - hit: the sketch records it; window keys move to its recent end, a probation key is
       promoted to protected (whose overflow is demoted to probation).
+    - renewal: each key moves to the recent end of the segment it is in; the sketch records
+      nothing and nothing is promoted (vLLM's end-of-request renewal is order, not a use).
     - evict: while the window is over its share, its least recent key (the candidate)
       contests the main cache's next victim (probation's least recent, then protected's):
       the one with the lower estimated frequency is evicted, the candidate moves to
@@ -74,6 +76,13 @@ class TinyLFUPolicy(EvictionPolicy):
             self._window.move_to_end(key)
         else:
             segmented_hit(key, self._probation, self._protected, self._protected_cap)
+
+    def on_renew(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            for segment in (self._window, self._probation, self._protected):
+                if key in segment:
+                    segment.move_to_end(key)
+                    break
 
     def on_remove(self, key: Key) -> None:
         for segment in (self._window, self._probation, self._protected):

@@ -198,6 +198,39 @@ def test_a_renewal_is_order_not_a_use(name: str) -> None:
     assert (used.evict(3) == [0, 9, 3]) is frequency
 
 
+def test_tinylfu_renews_within_its_segment_without_counting_a_use() -> None:
+    """A renewed probation key outlives its segment's older keys, but stays on probation
+    and the sketch does not count it: a use would have promoted it."""
+    renewed, plain, used = (make_policy("tinylfu", 4) for _ in range(3))
+    for policy in (renewed, plain, used):
+        policy.on_insert_run([0, 1, 2, 3])  # window [0]; probation, least recent first: [3, 2, 1]
+    frequency = renewed.sketch.frequency(3)  # type: ignore[attr-defined]
+    renewed.on_renew([3])
+    used.on_access(3)
+    assert renewed.sketch.frequency(3) == frequency  # type: ignore[attr-defined]
+    assert used.sketch.frequency(3) > frequency  # type: ignore[attr-defined]
+    assert plain.evict(1) == [3]
+    assert renewed.evict(1) == [2]
+    assert 3 in renewed._probation and 3 in used._protected  # type: ignore[attr-defined]
+
+
+def test_cost_renews_by_repricing_at_todays_inflation_without_counting_a_use() -> None:
+    """GDSF's recency is the inflation a key was last priced at: a renewed key is priced
+    again (it outlives keys priced before), with its count kept (a use would raise it)."""
+    renewed, plain, used = (make_policy("cost", 8, attention_weight=0.0) for _ in range(3))
+    for policy in (renewed, plain, used):
+        for key in range(4):
+            policy.on_insert(key)  # one depth, one count: a FIFO 0, 1, 2, 3, each at H = 1
+        assert policy.evict(1) == [0]  # the inflation is 1 now
+    renewed.on_renew([1])  # H = 1 + 1
+    used.on_access(1)  # H = 1 + 2
+    for policy in (renewed, plain, used):
+        policy.on_insert(9)  # H = 1 + 1, after the renewed key
+    assert plain.evict(3) == [1, 2, 3]
+    assert renewed.evict(3) == [2, 3, 1]
+    assert used.evict(3) == [2, 3, 9]
+
+
 def test_a_renewal_is_no_request_for_adaptives_referee() -> None:
     policy = make_policy("adaptive", 64)
     policy.on_insert_run([0])  # key 0 is in the sample (an int key is its own hash)
