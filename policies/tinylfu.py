@@ -79,16 +79,21 @@ class TinyLFUPolicy(EvictionPolicy):
 
     def on_renew(self, keys: Sequence[Key]) -> None:
         for key in keys:
-            for segment in (self._window, self._probation, self._protected):
-                if key in segment:
-                    segment.move_to_end(key)
-                    break
+            segment = self._segment_of(key)
+            if segment is not None:
+                segment.move_to_end(key)
 
     def on_remove(self, key: Key) -> None:
+        segment = self._segment_of(key)
+        if segment is not None:
+            del segment[key]
+
+    def _segment_of(self, key: Key) -> OrderedDict[Key, None] | None:
+        """The window, probation or protected segment that holds ``key``, if any."""
         for segment in (self._window, self._probation, self._protected):
             if key in segment:
-                del segment[key]
-                return
+                return segment
+        return None
 
     def evict(self, n: int, evictable: Evictable = always_evictable) -> list[Key] | None:
         if n <= 0:
