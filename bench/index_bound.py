@@ -485,7 +485,12 @@ def online_index(
     """Host hit ratio of the class index whose table is refitted on the replayed past (every
     ``refit_every`` requests, by default 1% of them): an index policy that learns online,
     the reference ``kvtier bench policy`` prints beside OPT."""
-    return fitted_replay(trace, host, device_hits, None, refit_every or max(1, len(trace) // 100))
+    return fitted_replay(trace, host, device_hits, None, refit_every or default_refit_every(trace))
+
+
+def default_refit_every(trace: Sequence[Request]) -> int:
+    """Requests between refits of a table fitted on the past, unless told: 1% of them."""
+    return max(1, len(trace) // 100)
 
 
 def fitted_replay(
@@ -545,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fit the 'fitted' table on another draw of the generator (seed + 1; the default for "
         "generated traces) or the production trace's other half; on the replayed trace itself "
-        "(the default for 'real'); or on its past, refitted as it is replayed (an online bound)",
+        "(the default for 'real'); or on its past, refitted as it is replayed (an online reference)",
     )
     parser.add_argument(
         "--refit-every",
@@ -559,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [b for b in which if b not in BOUNDS]
     if bad:
         parser.error(f"unknown bounds {bad}: choose from {', '.join(BOUNDS)}")
-    law = [b for b in which if b in ("generator", "horizon")]
+    law = [b for b in which if b in LAW_VALUES]
     if law and args.trace != "multi-turn":
         parser.error(
             f"the {' and '.join(law)} bound{'s know' if len(law) > 1 else ' knows'} only multi-turn's law"
@@ -587,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         if fit_on == "other":
             fit_trace, fitted_on = generate(args.trace, seed=args.seed + 1), f"fitted on seed {args.seed + 1}"
         source = f" --seed {args.seed}"
-    refit_every = (args.refit_every or max(1, len(trace) // 100)) if fit_on == "past" else 0
+    refit_every = (args.refit_every or default_refit_every(trace)) if fit_on == "past" else 0
     flags = f"--trace {args.trace}{source} --bounds {','.join(which)} --fit-on {fit_on}"
     if refit_every:
         flags += f" --refit-every {refit_every}"
