@@ -16,6 +16,7 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 
 BENCHMARKS = {
     "copy": ("bench.copy", "device <-> host row copies, packed vs per-layer, against torch copy"),
@@ -49,29 +50,47 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _peer(argv: list[str]) -> int:
-    """``kvtier peer``: the server of ``tiers.remote.server``, plus ``--metrics-port PORT``.
+HEALTH_TIMEOUT_S = 1.0
+"""A peer whose event loop does not answer within this is not serving (``/health`` 503)."""
+SCRAPE_TIMEOUT_S = 2.0
 
-    The metrics endpoint is added here because ``tiers/`` never imports ``offload/``.
+
+def _peer(argv: list[str]) -> int:
+    """``kvtier peer``: the server of ``tiers.remote.server``, plus ``--metrics-port PORT``:
+    Prometheus text at ``/metrics`` (``offload.peer_metrics``) and ``/health``.
+
+    The endpoint is added here because ``tiers/`` never imports ``offload/``.
     """
-    from offload.metrics import flat_families, render, serve
+    from offload.metrics import render, serve
+    from offload.peer_metrics import PREFIX, peer_families
     from tiers.remote import server as peer_server
+    from tiers.remote.peer_metrics import PeerSnapshot
 
     parser = argparse.ArgumentParser(prog="kvtier peer", add_help=False)
     parser.add_argument("--metrics-port", type=_port, default=None)
     parser.add_argument("--metrics-host", default="127.0.0.1")
     args, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
-        print("kvtier peer also takes --metrics-port PORT [--metrics-host HOST]: Prometheus text at /metrics")
+        print(
+            "kvtier peer also takes --metrics-port PORT [--metrics-host HOST]: "
+            "Prometheus text at /metrics, 200 at /health while serving"
+        )
     if args.metrics_port is None:
         return int(peer_server.main(rest) or 0)
 
-    def on_ready(stats):  # type: ignore[no-untyped-def]
-        gauges = {"slots", "slot_bytes", "rows", "free_slots", "pending_slots", "retired_slots", "leases"}
-        collect = lambda: render(flat_families(stats(), gauges=gauges), prefix="kvtier_peer_")  # noqa: E731
-        server = serve(args.metrics_port, collect, host=args.metrics_host)
+    def on_ready(snapshot: Callable[[float], PeerSnapshot]) -> None:
+        def collect() -> str:
+            return render(peer_families(snapshot(SCRAPE_TIMEOUT_S)), prefix=PREFIX)
+
+        def healthy() -> bool:
+            snapshot(HEALTH_TIMEOUT_S)  # raises if the loop does not answer, or the peer stops
+            return True
+
+        server = serve(args.metrics_port, collect, host=args.metrics_host, health=healthy)
         host, port = server.server_address[:2]
-        logging.getLogger("kvtier.peer").warning("metrics at http://%s:%d/metrics", host, port)
+        logging.getLogger("kvtier.peer").warning(
+            "metrics at http://%s:%d/metrics, health at /health", host, port
+        )
 
     return int(peer_server.main(rest, on_ready=on_ready) or 0)
 

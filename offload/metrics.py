@@ -85,6 +85,18 @@ class Histogram:
         self._sum = 0.0
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_counts(cls, buckets: Sequence[float], counts: Sequence[int], total: float) -> Histogram:
+        """A histogram holding observations already bucketed elsewhere: ``counts[i]`` of them
+        in bucket ``i`` of ``buckets`` (sorted; the last count: above every bound), summing to
+        ``total`` (e.g. a peer's, which ``tiers/`` keeps without this class)."""
+        histogram = cls(buckets)
+        if histogram.buckets != tuple(buckets) or len(counts) != len(buckets) + 1:
+            raise ValueError(f"{len(counts)} counts for {len(buckets)} sorted buckets (and +Inf)")
+        histogram._counts = list(counts)
+        histogram._sum = total
+        return histogram
+
     def observe(self, value: float) -> None:
         with self._lock:
             self._counts[bisect.bisect_left(self.buckets, value)] += 1
@@ -209,13 +221,25 @@ def render(families: Iterable[Family], prefix: str = PREFIX) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve(port: int, collect: Callable[[], str], host: str = "127.0.0.1") -> ThreadingHTTPServer:
-    """Serve ``collect()`` at ``http://host:port/metrics`` from a daemon thread; returns the server
-    (``shutdown()`` stops it). ``port=0`` picks a free port (``server.server_address``)."""
+def serve(
+    port: int,
+    collect: Callable[[], str],
+    host: str = "127.0.0.1",
+    *,
+    health: Callable[[], bool] | None = None,
+) -> ThreadingHTTPServer:
+    """Serve ``collect()`` at ``http://host:port/metrics`` (and ``/``) from a daemon thread;
+    returns the server (``shutdown()`` stops it). ``port=0`` picks a free port
+    (``server.server_address``). With ``health``, ``/health`` answers 200 ``ok`` while it
+    returns true and 503 otherwise (or if it raises)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            path = self.path.split("?", 1)[0]
+            if path == "/health" and health is not None:
+                self._health()
+                return
+            if path not in ("/metrics", "/"):
                 self.send_error(404)
                 return
             try:
@@ -224,8 +248,20 @@ def serve(port: int, collect: Callable[[], str], host: str = "127.0.0.1") -> Thr
                 log.exception("collecting metrics failed")
                 self.send_error(500)
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            self._answer(200, CONTENT_TYPE, body)
+
+        def _health(self) -> None:
+            assert health is not None
+            try:
+                ok = bool(health())
+            except Exception:
+                log.debug("health check failed", exc_info=True)
+                ok = False
+            self._answer(200 if ok else 503, "text/plain; charset=utf-8", b"ok\n" if ok else b"unavailable\n")
+
+        def _answer(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -51,7 +51,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,7 @@ from tiers.remote.auth import Credentials, read_token_file
 from tiers.remote.net_iface import bind_ucx_to
 from tiers.remote.nixl_agent import AgentThread, TransferTimeout, descriptors, quietly, settle
 from tiers.remote.nixl_metadata import MetadataError, check_client_metadata
+from tiers.remote.peer_metrics import PeerSnapshot, TransferRecord, take_snapshot
 from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
 from tiers.row_format import RowHeader
 from tiers.sizes import parse_size
@@ -83,6 +84,8 @@ class ServerCounters(Stats):
     pushed_out: int = 0  # unauthenticated connections closed to make room for newer ones
     agents_refused: int = 0  # AGENT frames whose metadata or probe did not pass
     transfers_failed: int = 0  # a READ or WRITE of a client's rows that failed or ran late
+    limit_refusals: int = 0  # PUTs answered LIMIT (too many uncommitted allocations)
+    transfers: TransferRecord = field(default_factory=TransferRecord)  # answered: counts, bytes, seconds
 
 
 HUGE_PAGE = 2 << 20
@@ -499,13 +502,16 @@ class PeerServer:
             keys, lengths, addrs, budget_ms = proto.decode_transfer(frame.payload)
             rows = _Rows(keys, lengths, addrs, time.monotonic() + budget_ms / 1000 - REPLY_MARGIN_S)
             serve = self._put if frame.type == proto.Msg.PUT else self._get
-            reply = await serve(conn, tenant, agent, rows)
-            await self._send(writer, session, *reply(rid))
+            started = time.monotonic()
+            answer = (await serve(conn, tenant, agent, rows))(rid)
+            await self._send(writer, session, *answer)
+            self.counters.transfers.served(answer, rows.lengths, time.monotonic() - started)
         except proto.ProtocolError as exc:
             self.counters.protocol_errors += 1
             log.warning("closing a connection: %s", exc)
             writer.close()
         except PoolLimitError as exc:
+            self.counters.limit_refusals += 1
             with contextlib.suppress(Exception):
                 await self._send(writer, session, *_error(rid, proto.ErrorCode.LIMIT, str(exc)))
         except TransferFailed as exc:
@@ -787,9 +793,11 @@ def _auth_summary(credentials: Credentials) -> str:
     return f"tokens for {len(credentials.tenants)} tenant(s)"
 
 
-StatsHook = Callable[[Callable[[], dict[str, int]]], object]
-"""Called once the peer listens, with a function returning the pool's stats (for a metrics
-endpoint that a caller outside ``tiers/`` provides: ``kvtier peer --metrics-port``)."""
+StatsHook = Callable[[Callable[[float], PeerSnapshot]], object]
+"""Called once the peer listens, with a function that takes a ``PeerSnapshot`` on the peer's
+event loop from any thread, waiting at most the seconds it is given (it raises if the loop
+does not answer by then, or the peer is stopping): for a metrics and health endpoint that a
+caller outside ``tiers/`` provides (``kvtier peer --metrics-port``)."""
 
 
 async def run(settings: PeerSettings, on_ready: StatsHook | None = None) -> int:
@@ -815,13 +823,20 @@ async def run(settings: PeerSettings, on_ready: StatsHook | None = None) -> int:
     sys.stdout.flush()
     if on_ready is not None:
 
-        async def read_stats() -> dict[str, int]:
-            return pool.stats()
+        async def read() -> PeerSnapshot:
+            if stop.is_set():
+                raise RuntimeError("the peer is stopping")
+            counters = server.counters
+            return take_snapshot(pool, counters, counters.transfers, len(server._connections))
 
-        def stats() -> dict[str, int]:  # from another thread: read the pool on its own loop
-            return asyncio.run_coroutine_threadsafe(read_stats(), loop).result(timeout=2.0)
+        def snapshot(timeout: float) -> PeerSnapshot:  # from another thread: read on the loop
+            future = asyncio.run_coroutine_threadsafe(read(), loop)
+            try:
+                return future.result(timeout)
+            finally:
+                future.cancel()
 
-        on_ready(stats)
+        on_ready(snapshot)
     await serving
     log.info("stopped")
     return 0
