@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tests.sglang.fake_pool import make_pool  # noqa: E402
-from tests.sglang.test_backend import keys  # noqa: E402
-from tests.tiers.mooncake_fixtures import start_master  # noqa: E402
+from tests.sglang.fake_pool import make_pool
+from tests.sglang.test_backend import keys
+from tests.tiers.mooncake_fixtures import start_master
 
 
 @pytest.fixture
