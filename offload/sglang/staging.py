@@ -12,6 +12,10 @@ rows (at most half of them while there are two or more, so a long get never shut
 out), uses them and gives them back. A row a tier may still write into (an abandoned get:
 ``tiers.base.RowsAbandoned``) is held until that transfer has ended, or for good when the
 tier cannot tell.
+
+The rows are taken last-in first-out: the same few rows serve call after call, warm in the
+caches and in memory, while the rest of the buffer is never touched (and never costs RAM) until
+calls run side by side.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class StagingRows:
             if not self._cond.wait_for(lambda: bool(self._free), timeout):
                 return []
             n = min(wanted, share, len(self._free))
-            taken, self._free = self._free[:n], self._free[n:]
+            taken, self._free = self._free[-n:], self._free[:-n]  # a stack: the rows used last
             return taken
 
     def give_back(self, slots: Iterable[int]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.fake_pool import FakeHostPool, dynamic_config, make_pool, storage_config
+from bench.sglang_pool import FakeHostPool, dynamic_config, make_pool, storage_config
 
 
 def disk(path: Path, capacity: str = "64MiB") -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """``offload.sglang.KVTierStorage`` over a disk tier and a host pool with sglang 0.5.23's page
-geometry (``fake_pool``): the call contract of SGLang's cache controller, without SGLang."""
+geometry (``bench.sglang_pool``): the call contract of SGLang's cache controller, without SGLang."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.sglang_pool import LAYOUTS, dynamic_config, make_pool, storage_config
 from offload.config import ConfigError
 from offload.sglang import KVTierStorage, page_key
 from tests.sglang.conftest import disk
-from tests.sglang.fake_pool import LAYOUTS, dynamic_config, make_pool, storage_config
 from tests.tiers.test_disk import file_size_limit
 from tiers.disk.lmdb_store import ROWS_FILE
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tests.sglang.fake_pool import make_pool
+from bench.sglang_pool import make_pool
 from tests.sglang.test_backend import keys
 from tests.tiers.mooncake_fixtures import start_master
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.sglang.fake_pool import make_pool
+from bench.sglang_pool import make_pool
 from tests.sglang.test_backend import keys
 
 multiprocess = pytest.mark.multiprocess

@@ -6,7 +6,7 @@ Skipped where SGLang does not import (it needs ``triton`` and a few pure-Python 
 beside kvtier's torch: ``tests/sglang/requirements.txt``), unless ``KVTIER_REQUIRE_SGLANG=1``.
 The real ``HiCacheController`` over a real host pool is not driven here: SGLang's host pool
 module imports its model configs, which import ``torchvision``, and no torchvision wheel
-loads against torch 2.13.0+cpu; the host pool is the stand-in of ``fake_pool``.
+loads against torch 2.13.0+cpu; the host pool is the stand-in of ``bench.sglang_pool``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ except Exception as exc:  # not installed, or its imports fail on this machine
         raise
     pytest.skip(f"sglang does not import here: {exc!r}", allow_module_level=True)
 
+from bench.sglang_pool import dynamic_config, make_pool
 from offload.config import ConfigError
 from offload.sglang import KVTierStorage
 from tests.sglang.conftest import disk
-from tests.sglang.fake_pool import dynamic_config, make_pool
 from tests.sglang.test_backend import keys
 
 

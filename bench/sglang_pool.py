@@ -1,4 +1,5 @@
-"""A host pool with sglang 0.5.23's page geometry, for the backend's tests without SGLang.
+"""A host pool with sglang 0.5.23's page geometry, for the backend's tests and benchmark
+without SGLang (``tests/sglang``, ``bench.sglang_backend``).
 
 ``FakeHostPool`` allocates ``kv_buffer`` with the dims SGLang's MHA and MLA host pools use in
 ``layer_first``, ``page_first`` and ``page_first_direct`` and answers
