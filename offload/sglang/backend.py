@@ -336,7 +336,7 @@ class KVTierStorage(StorageBase):
         if n == len(keys) or not partial:
             return n
         rest = list(keys[n:])
-        found = [False] * len(rest)
+        found = [any(tier.may_contain(key) for tier in self.tiers) for key in rest]  # past a gap too
         futures = [engine.call_contains(i, rest) for i in partial]
         for future in futures:
             result = self._wait(future)

@@ -69,3 +69,29 @@ def test_a_stopped_peer_is_a_miss_within_its_deadline(backend, spawn_peers, tmp_
         assert storage.stats()["faults"] == 0 and other.stats()["faults"] == 0
     finally:
         peers[0].cont()
+
+
+@multiprocess
+def test_exists_counts_pages_split_between_the_disk_and_a_peer(backend, spawn_peers, tmp_path):
+    peers = spawn_peers(1)
+    pool = make_pool()
+    ks = keys(3)
+    for page in range(3):
+        pool.fill(page, seed=page)
+    disk_only = backend(pool, [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "16MiB"}])
+    assert disk_only.batch_set_v1([ks[0], ks[2]], pool.slots(0, 2)) == [True, True]
+    disk_only.close()
+    peer_only = backend(make_pool(), [remote(peers)])
+    other = peer_only.mem_pool_host
+    other.fill(1, seed=1)
+    assert peer_only.batch_set_v1([ks[1]], other.slots(1)) == [True]
+    both = backend(pool, [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "16MiB"}, remote(peers)])
+    assert both.batch_exists(ks) == 3  # page 0 and 2 on the disk, page 1 at the peer
+    for page in (5, 6, 7):
+        pool.wipe(page)
+    assert both.batch_get_v1(ks, pool.slots(5, 6, 7)) == [True] * 3
+    assert [pool.page_bytes(p) for p in (5, 6, 7)] == [
+        pool.page_bytes(0),
+        other.page_bytes(1),
+        pool.page_bytes(2),
+    ]
