@@ -60,6 +60,14 @@ $(CPU_VENV)/.installed: pyproject.toml constraints.txt
 	$(CPU_PIP) -e '.[test,mooncake,bench]'
 	touch $@
 
+# SGLang is test-only too (tests/sglang/test_with_sglang.py: its storage backend factory). Its
+# wheel goes in without the resolver (its requirements want CUDA builds), into the CPU venv,
+# where vLLM's CPU build brought the triton SGLang imports.
+$(CPU_VENV)/.installed-sglang: $(CPU_VENV)/.installed tests/sglang/requirements.txt
+	$(CPU_PIP) --no-deps sglang==0.5.23
+	$(CPU_PIP) --no-deps -r tests/sglang/requirements.txt
+	touch $@
+
 install: $(VENV)/.installed
 
 # TTFT in vLLM's real CPU engine, with and without kvtier.
@@ -73,11 +81,14 @@ bench-e2e: $(VENV)/.installed-vllm $(VENV)/.installed-bench
 	$(VENV)/bin/kvtier bench e2e --plot bench-results/plots --json bench-results/e2e.json
 
 # Every test on vLLM 0.33 (the CUDA wheel's Python API, no engine), then the connector tests
-# again and the real-engine tests on vLLM 0.32's CPU build.
-test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake $(VENV)/.installed-bench $(CPU_VENV)/.installed
+# again, the real-engine tests on vLLM 0.32's CPU build, and the SGLang backend's tests with
+# SGLang installed beside it (a run of their own: importing SGLang stays out of vLLM's).
+test: $(VENV)/.installed-vllm $(VENV)/.installed-mooncake $(VENV)/.installed-bench $(CPU_VENV)/.installed \
+		$(CPU_VENV)/.installed-sglang
 	KVTIER_REQUIRE_VLLM=1 KVTIER_REQUIRE_MOONCAKE=1 $(PY) -m pytest -q
 	KVTIER_REQUIRE_VLLM=1 KVTIER_REQUIRE_MOONCAKE=1 KVTIER_REQUIRE_ENGINE=1 \
 		$(CPU_PY) -m pytest -q tests/vllm tests/engine
+	KVTIER_REQUIRE_SGLANG=1 KVTIER_REQUIRE_MOONCAKE=1 $(CPU_PY) -m pytest -q tests/sglang
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

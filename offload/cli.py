@@ -29,6 +29,7 @@ BENCHMARKS = {
     ),
     "convert": ("bench.convert", "loading rows stored by an engine of another layout vs the same layout"),
     "mooncake": ("bench.mooncake", "Mooncake Store tier puts and gets against the store's own batch calls"),
+    "sglang": ("bench.sglang_backend", "the SGLang backend's page calls against its disk tier's own calls"),
     "e2e": ("bench.e2e", "long-context workloads end to end: hits per tier, load latency, TTFT"),
     "serve": ("bench.serve", "TTFT in a real vLLM engine: vLLM alone vs + kvtier host, disk, peer"),
 }

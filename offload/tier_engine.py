@@ -14,7 +14,9 @@ on its own event loop in a background thread, with
 - bounded in-flight work per tier (a slow tier backs up into refusals, not memory),
 - a result per key (``ok[i]``), so a partly failed batch loses only what failed.
 
-Results are appended to a deque (thread-safe for append/popleft) and read by ``drain``.
+Results are appended to a deque (thread-safe for append/popleft) and read by ``drain``; the
+``call_*`` verbs return each result in a future instead, for callers that wait for every call
+(SGLang's storage threads: ``offload.sglang``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from offload.keys import key_group
@@ -45,6 +47,7 @@ class OpKind(enum.Enum):
     PUT = "put"
     GET = "get"
     CONTAINS = "contains"
+    DELETE = "delete"
     RELEASE = "release"
     """Not an operation: the rows of an abandoned ``GET`` (same ``op_id``) whose transfer has
     since ended (``RowsAbandoned.ended``): their buffers may be used again."""
@@ -63,6 +66,9 @@ class OpResult:
     layouts: list[bytes | None] | None = None
     """GET only: per key, the layout id of a row that landed in another engine's layout and
     was left for the worker to convert on load; ``None`` where the row is in ours."""
+    ended: concurrent.futures.Future | None = field(default=None, compare=False)
+    """A ``call_*`` result only (queued results get a ``RELEASE`` instead): for an abandoned
+    get whose tier can tell, completes once its transfer has ended (``RowsAbandoned.ended``)."""
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -166,6 +172,35 @@ class TierEngine:
         keys = list(keys)
         return self._submit(op_id, OpKind.CONTAINS, tier, keys, lambda: self.tiers[tier].contains(keys))
 
+    def call_put(self, tier: int, rows: Sequence[Row]) -> concurrent.futures.Future[OpResult]:
+        """``submit_put`` for a caller that waits for each call (SGLang's storage threads):
+        the same operation, deadlines and in-flight bound, its result in the future returned
+        (never in ``drain``). A saturated tier's result is a failed one, at once."""
+        rows = list(rows)
+        return self._call_op(OpKind.PUT, tier, [k for k, _ in rows], lambda: self.tiers[tier].put(rows))
+
+    def call_get(self, tier: int, rows: Sequence[Row]) -> concurrent.futures.Future[OpResult]:
+        """``submit_get`` as ``call_put`` is ``submit_put`` (no converter: rows of our own
+        layout only). An abandoned result names the rows not to reuse (``ok`` ``False``)
+        until ``OpResult.ended`` completes, or ever, when it is ``None``."""
+        rows = list(rows)
+        return self._call_op(OpKind.GET, tier, [k for k, _ in rows], lambda: self.tiers[tier].get(rows))
+
+    def call_contains(self, tier: int, keys: Sequence[bytes]) -> concurrent.futures.Future[OpResult]:
+        """``submit_contains`` as ``call_put`` is ``submit_put``."""
+        keys = list(keys)
+        return self._call_op(OpKind.CONTAINS, tier, keys, lambda: self.tiers[tier].contains(keys))
+
+    def call_delete(self, tier: int, keys: Sequence[bytes]) -> concurrent.futures.Future[OpResult]:
+        """Delete ``keys`` from a tier, as ``call_put`` (``ok`` all ``True`` once it returned)."""
+        keys = list(keys)
+
+        async def delete() -> list[bool]:
+            await self.tiers[tier].delete(keys)
+            return [True] * len(keys)
+
+        return self._call_op(OpKind.DELETE, tier, keys, delete)
+
     def drain(self) -> list[OpResult]:
         results = []
         while self._results:
@@ -240,12 +275,28 @@ class TierEngine:
         operation: Callable[[], Awaitable[list[bool]]],
         layouts: list[bytes | None] | None = None,
     ) -> bool:
+        if not self._take_slot(kind, tier):
+            return False
+        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, keys, operation, layouts), self._loop)
+        return True
+
+    def _call_op(
+        self, kind: OpKind, tier: int, keys: list[bytes], operation: Callable[[], Awaitable[list[bool]]]
+    ) -> concurrent.futures.Future[OpResult]:
+        if not self._take_slot(kind, tier):
+            done: concurrent.futures.Future[OpResult] = concurrent.futures.Future()
+            done.set_result(OpResult(0, kind, tier, keys, [False] * len(keys), 0.0))
+            return done
+        return asyncio.run_coroutine_threadsafe(
+            self._run(0, kind, tier, keys, operation, queue=False), self._loop
+        )
+
+    def _take_slot(self, kind: OpKind, tier: int) -> bool:
         with self._idle:
             if self._inflight[tier] >= self.max_inflight:
                 return False
             self._inflight[tier] += 1
             self.submitted[kind] += 1
-        asyncio.run_coroutine_threadsafe(self._run(op_id, kind, tier, keys, operation, layouts), self._loop)
         return True
 
     async def _run(
@@ -256,7 +307,11 @@ class TierEngine:
         keys: list[bytes],
         operation: Callable[[], Awaitable[list[bool]]],
         layouts: list[bytes | None] | None = None,
-    ) -> None:
+        *,
+        queue: bool = True,
+    ) -> OpResult:
+        """Run one operation; its result goes to the queue ``drain`` reads (``queue``), else
+        only to the caller (``call_*``), with ``ended`` in it instead of a later ``RELEASE``."""
         start = self._loop.time()
         abandoned = False
         ended: concurrent.futures.Future | None = None
@@ -284,15 +339,18 @@ class TierEngine:
         foreign = None
         if layouts is not None and any(layouts):  # rows the worker converts on load
             foreign = [layout if good else None for layout, good in zip(layouts, ok, strict=True)]
-        self._results.append(
-            OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned, foreign)
-        )
-        if ended is not None:  # after the GET's result: whoever drains sees the two in order
-            release = OpResult(op_id, OpKind.RELEASE, tier, keys, [True] * len(keys), 0.0)
-            ended.add_done_callback(lambda _f: self._results.append(release))  # deque: thread-safe
+        result = OpResult(op_id, kind, tier, keys, list(ok), self._loop.time() - start, abandoned, foreign)
+        if not queue:
+            result = replace(result, ended=ended)
+        else:
+            self._results.append(result)
+            if ended is not None:  # after the GET's result: whoever drains sees the two in order
+                release = OpResult(op_id, OpKind.RELEASE, tier, keys, [True] * len(keys), 0.0)
+                ended.add_done_callback(lambda _f: self._results.append(release))  # deque: thread-safe
         with self._idle:
             self._inflight[tier] -= 1
             self._idle.notify_all()
+        return result
 
     async def _get_in_any_layout(self, tier: int, rows: list[Row], layouts: list[bytes | None]) -> list[bool]:
         """``get`` that accepts rows of the layouts we convert from; ``layouts[i]`` ends as the

@@ -174,3 +174,25 @@ def test_an_abandoned_get_keeps_its_hits_and_says_the_rest_may_still_be_written(
         assert (result.op_id, result.abandoned, result.ok) == (7, abandoned, ok)
     finally:
         engine.close()
+
+
+def test_call_verbs_return_each_result_in_a_future_never_in_the_queue():
+    tier = FakeTier(abandon_gets=True)
+    engine = TierEngine([tier], max_inflight=1)
+    engine.start(None)
+    try:
+        put = engine.call_put(0, [(b"k", memoryview(b"row"))]).result(5)
+        assert (put.kind, put.ok, put.abandoned, put.ended) == (OpKind.PUT, [True], False, None)
+        got = engine.call_get(0, [(b"k", memoryview(bytearray(3)))]).result(5)
+        assert (got.kind, got.ok, got.abandoned) == (OpKind.GET, [False], True)
+        assert got.ended is tier.transfer  # the caller's to wait for: no RELEASE is queued
+        assert engine.call_contains(0, [b"k"]).result(5).ok == [False]
+        assert engine.call_delete(0, [b"k"]).result(5).ok == [True]
+        tier.transfer.set_result(None)
+        assert engine.wait_idle(5) and engine.drain() == []
+        assert engine._take_slot(OpKind.PUT, 0)  # the one slot taken: a saturated tier
+        refused = engine.call_put(0, [(b"k", memoryview(b"row"))]).result(0)
+        assert refused.ok == [False] and not refused.abandoned
+        engine._inflight[0] -= 1  # the slot taken by hand, given back
+    finally:
+        engine.close()
