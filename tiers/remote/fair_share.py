@@ -1,0 +1,109 @@
+"""Each tenant's share of the peer's data plane: transfers and bytes in flight, per tenant.
+
+The peer has one NIXL agent and a few cores for every tenant. Without a bound, one tenant
+that keeps many large PUTs or GETs in flight (many connections, each with its window full)
+queues gigabytes of copies ahead of another tenant's small get, which then runs past its
+deadline. ``TenantShares`` admits a tenant's transfer only while the tenant has fewer than
+``max_transfers`` in flight and at most ``max_bytes`` of rows in flight (a single request
+larger than that runs alone); the rest wait their turn in arrival order, until their
+deadline. So another tenant's transfer waits behind at most one share of each busy tenant,
+whatever they send, and a tenant that floods only queues behind itself.
+
+A real engine keeps two requests of ``transfer_bytes`` in flight per peer
+(``tiers/remote/tier.py``), well within a share: its transfers never wait here.
+Everything runs on the peer's event loop; no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class Busy(Exception):
+    """The tenant's share stayed full until the request's deadline: nothing was moved."""
+
+
+@dataclass
+class _Share:
+    transfers: int = 0
+    nbytes: int = 0
+    waiting: deque[tuple[asyncio.Future[None], int]] = field(default_factory=deque)
+
+
+class TenantShares:
+    """Per tenant at most ``max_transfers`` transfers and ``max_bytes`` of rows in flight.
+
+    ``await acquire(tenant, nbytes, deadline)`` then ``release(tenant, nbytes)`` once the
+    transfer is over (``Busy`` from ``acquire``: not admitted, nothing to release).
+    """
+
+    def __init__(self, max_transfers: int, max_bytes: int) -> None:
+        if max_transfers < 1 or max_bytes < 1:
+            raise ValueError("a share admits one transfer at least")
+        self.max_transfers = max_transfers
+        self.max_bytes = max_bytes
+        self._shares: dict[str, _Share] = {}
+
+    def in_flight(self, tenant: str) -> tuple[int, int]:
+        """``(transfers, bytes)`` the tenant has in flight now."""
+        share = self._shares.get(tenant)
+        return (0, 0) if share is None else (share.transfers, share.nbytes)
+
+    async def acquire(self, tenant: str, nbytes: int, deadline: float) -> None:
+        share = self._shares.get(tenant)
+        if share is None:
+            share = self._shares[tenant] = _Share()
+        if not share.waiting and self._fits(share, nbytes):
+            self._take(share, nbytes)
+            return
+        entry: tuple[asyncio.Future[None], int] = (asyncio.get_running_loop().create_future(), nbytes)
+        share.waiting.append(entry)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await entry[0]
+        except BaseException as exc:
+            if entry[0].done() and not entry[0].cancelled():
+                self.release(tenant, nbytes)  # admitted as the deadline passed: give it back
+            else:
+                if entry in share.waiting:
+                    share.waiting.remove(entry)
+                self._wake(tenant, share)  # the head may have been all that blocked others
+            if isinstance(exc, TimeoutError):
+                raise Busy(f"the tenant's share of the peer stayed full ({self._describe(share)})") from None
+            raise
+
+    def release(self, tenant: str, nbytes: int) -> None:
+        share = self._shares[tenant]
+        share.transfers -= 1
+        share.nbytes -= nbytes
+        self._wake(tenant, share)
+
+    def _fits(self, share: _Share, nbytes: int) -> bool:
+        if share.transfers == 0:
+            return True  # one request larger than a share runs alone
+        return share.transfers < self.max_transfers and share.nbytes + nbytes <= self.max_bytes
+
+    def _take(self, share: _Share, nbytes: int) -> None:
+        share.transfers += 1
+        share.nbytes += nbytes
+
+    def _wake(self, tenant: str, share: _Share) -> None:
+        """Admit waiters from the head while they fit (in order: none overtakes another);
+        forget a tenant with nothing in flight and nobody waiting."""
+        while share.waiting and self._fits(share, share.waiting[0][1]):
+            future, nbytes = share.waiting.popleft()
+            if future.done():  # gave up meanwhile
+                continue
+            self._take(share, nbytes)
+            future.set_result(None)
+        if share.transfers == 0 and not share.waiting:
+            del self._shares[tenant]
+
+    def _describe(self, share: _Share) -> str:
+        return (
+            f"{share.transfers} of {self.max_transfers} transfers, "
+            f"{share.nbytes} of {self.max_bytes} B in flight"
+        )
