@@ -31,7 +31,13 @@ failed handshake closes the connection before the peer says anything about itsel
 Availability: a connection has ``--handshake-timeout`` to authenticate; at most
 ``MAX_UNAUTHENTICATED_PER_SOURCE`` unauthenticated connections per source address and
 ``MAX_UNAUTHENTICATED`` in all are kept (a new one pushes out the oldest, so idle sockets
-cannot lock a real client out); ``--max-connections`` counts authenticated connections only.
+cannot lock a real client out); ``--max-connections`` counts authenticated connections only,
+and one tenant holds at most ``--max-connections-per-tenant`` of them (an equal share), so
+no tenant locks another out. After the handshake a connection without a request for
+``--idle-timeout`` is closed (clients reopen it), and a frame must come whole within
+``--frame-timeout`` of its first byte. The work one request causes is bounded (each key once,
+at most ``--max-request-bytes`` of rows), and so is each tenant's share of the data plane
+(``tiers/remote/fair_share.py``: transfers and bytes in flight per tenant).
 UCX is bound to the interface of ``--listen`` (``UCX_NET_DEVICES``) unless the user set it.
 SIGTERM or SIGINT stops the peer cleanly (exit status 0). When ready it writes one line to stdout,
 ``kvtier peer listening on HOST:PORT ...``, which is how scripts and tests learn a port
