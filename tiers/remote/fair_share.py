@@ -10,34 +10,46 @@ deadline. So another tenant's transfer waits behind at most one share of each bu
 whatever they send, and a tenant that floods only queues behind itself.
 
 A real engine keeps two requests of ``transfer_bytes`` in flight per peer
-(``tiers/remote/tier.py``), well within a share: its transfers never wait here.
-Everything runs on the peer's event loop; no locks.
+(``tiers/remote/tier.py``), well within a share: its transfers never wait here. A waiting
+transfer whose connection ends gives up its place (``abandon``): nothing of a client that
+left starts moving. Everything runs on the peer's event loop; no locks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 
 class Busy(Exception):
-    """The tenant's share stayed full until the request's deadline: nothing was moved."""
+    """The tenant's share stayed full until the request's deadline (or its connection ended
+    meanwhile): nothing was moved."""
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future[None]
+    nbytes: int
+    owner: int
 
 
 @dataclass
 class _Share:
     transfers: int = 0
     nbytes: int = 0
-    waiting: deque[tuple[asyncio.Future[None], int]] = field(default_factory=deque)
+    waiting: deque[_Waiter] = field(default_factory=deque)
 
 
 class TenantShares:
     """Per tenant at most ``max_transfers`` transfers and ``max_bytes`` of rows in flight.
 
-    ``await acquire(tenant, nbytes, deadline)`` then ``release(tenant, nbytes)`` once the
-    transfer is over (``Busy`` from ``acquire``: not admitted, nothing to release).
+    ``async with admitted(tenant, owner, nbytes, deadline)`` around a transfer (or
+    ``acquire`` then ``release``); ``Busy`` if it was not admitted by ``deadline``. Owners are
+    connection ids: ``abandon(owner)`` when a connection ends.
     """
 
     def __init__(self, max_transfers: int, max_bytes: int) -> None:
@@ -52,28 +64,48 @@ class TenantShares:
         share = self._shares.get(tenant)
         return (0, 0) if share is None else (share.transfers, share.nbytes)
 
-    async def acquire(self, tenant: str, nbytes: int, deadline: float) -> None:
+    @contextlib.asynccontextmanager
+    async def admitted(self, tenant: str, owner: int, nbytes: int, deadline: float) -> AsyncIterator[None]:
+        await self.acquire(tenant, owner, nbytes, deadline)
+        try:
+            yield
+        finally:
+            self.release(tenant, nbytes)
+
+    async def acquire(self, tenant: str, owner: int, nbytes: int, deadline: float) -> None:
         share = self._shares.get(tenant)
         if share is None:
             share = self._shares[tenant] = _Share()
         if not share.waiting and self._fits(share, nbytes):
             self._take(share, nbytes)
             return
-        entry: tuple[asyncio.Future[None], int] = (asyncio.get_running_loop().create_future(), nbytes)
-        share.waiting.append(entry)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), nbytes, owner)
+        share.waiting.append(waiter)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await entry[0]
+                await waiter.future
         except BaseException as exc:
-            if entry[0].done() and not entry[0].cancelled():
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(tenant, nbytes)  # admitted as the deadline passed: give it back
             else:
-                if entry in share.waiting:
-                    share.waiting.remove(entry)
+                if waiter in share.waiting:
+                    share.waiting.remove(waiter)
                 self._wake(tenant, share)  # the head may have been all that blocked others
             if isinstance(exc, TimeoutError):
                 raise Busy(f"the tenant's share of the peer stayed full ({self._describe(share)})") from None
             raise
+
+    def abandon(self, owner: int) -> None:
+        """The connection ``owner`` ended: its waiting transfers give up (``Busy``)."""
+        for tenant, share in list(self._shares.items()):
+            gone = [w for w in share.waiting if w.owner == owner]
+            for waiter in gone:
+                share.waiting.remove(waiter)
+                if not waiter.future.done():
+                    waiter.future.set_exception(Busy("its connection ended"))
+            if gone:
+                self._wake(tenant, share)
 
     def release(self, tenant: str, nbytes: int) -> None:
         share = self._shares[tenant]
@@ -93,12 +125,12 @@ class TenantShares:
     def _wake(self, tenant: str, share: _Share) -> None:
         """Admit waiters from the head while they fit (in order: none overtakes another);
         forget a tenant with nothing in flight and nobody waiting."""
-        while share.waiting and self._fits(share, share.waiting[0][1]):
-            future, nbytes = share.waiting.popleft()
-            if future.done():  # gave up meanwhile
+        while share.waiting and self._fits(share, share.waiting[0].nbytes):
+            waiter = share.waiting.popleft()
+            if waiter.future.done():  # gave up meanwhile
                 continue
-            self._take(share, nbytes)
-            future.set_result(None)
+            self._take(share, waiter.nbytes)
+            waiter.future.set_result(None)
         if share.transfers == 0 and not share.waiting:
             del self._shares[tenant]
 

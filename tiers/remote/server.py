@@ -318,7 +318,6 @@ class PeerServer:
         self._tenant_connections: Counter[str] = Counter()  # authenticated, per tenant
         self._tenant_cap = settings.tenant_cap()
         self.shares = TenantShares(settings.tenant_transfers, settings.tenant_bytes)
-        self._queued: set[asyncio.Task] = set()  # transfers waiting for their tenant's share
         self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
         self._agents: dict[str, int] = {}  # loaded client agent -> its connection
         self._handlers: set[asyncio.Task] = set()
@@ -572,8 +571,7 @@ class PeerServer:
                 if reply is not None:
                     await self._send(writer, session, *reply)
         finally:
-            for task in transfers & self._queued:
-                task.cancel()  # not started: the client is gone, nothing of it may move now
+            self.shares.abandon(conn_id)  # the client is gone: what waits for its turn never starts
             if transfers:
                 await asyncio.gather(*transfers, return_exceptions=True)
 
@@ -589,25 +587,15 @@ class PeerServer:
             nbytes = self._bounded(keys, lengths)
             rows = _Rows(keys, lengths, addrs, time.monotonic() + budget_ms / 1000 - REPLY_MARGIN_S)
             serve = self._put if frame.type == proto.Msg.PUT else self._get
-            queued = asyncio.current_task()
-            assert queued is not None
-            self._queued.add(queued)  # cancelled there if its connection ends first
-            try:
-                await self.shares.acquire(tenant, nbytes, rows.deadline)
-            except Busy as exc:
-                raise Refused(proto.ErrorCode.LIMIT, str(exc)) from None
-            finally:
-                self._queued.discard(queued)
-            try:
+            async with self.shares.admitted(tenant, conn, nbytes, rows.deadline):
                 reply = await serve(conn, tenant, agent, rows)
-            finally:
-                self.shares.release(tenant, nbytes)
             await self._send(writer, session, *reply(rid))
-        except Refused as exc:
+        except (Refused, Busy) as exc:  # nothing moved; the connection stays
             self.counters.requests_refused += 1
             log.info("refused a %s of tenant %r: %s", frame.type.name, tenant, exc)
+            code = exc.code if isinstance(exc, Refused) else proto.ErrorCode.LIMIT
             with contextlib.suppress(Exception):
-                await self._send(writer, session, *_error(rid, exc.code, str(exc)))
+                await self._send(writer, session, *_error(rid, code, str(exc)))
         except proto.ProtocolError as exc:
             self.counters.protocol_errors += 1
             log.warning("closing a connection: %s", exc)
