@@ -14,7 +14,9 @@ transfer.
 A peer that closes a connection for being idle (its ``--idle-timeout``) is **parked**, not
 marked down: it stays up (routing keeps its keys), no failure is counted, and the next call
 reopens the connection before it routes (``reopen_parked``); only if that handshake fails
-is the peer down. An idle engine costs the peer no connection and loses nothing.
+is the peer down. An idle engine costs the peer no connection and loses nothing. (A call
+sent in the instant the peer closes fails with ``PeerIdleClosed``: its rows are misses or
+unstored, never partly written, since the peer read none of it.)
 
 Everything here runs on the tier's event loop; ``Peer.up`` is a plain read, safe from the
 scheduler's thread.
