@@ -188,6 +188,8 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict:
             str(row_bytes),
             "--token-file",
             str(token_file),
+            "--max-request-bytes",  # a request is cut after the row that reaches transfer_bytes
+            str(max(256 << 20, (args.transfer_bytes or 0) + row_bytes)),
         ],
         env,
     )

@@ -36,6 +36,9 @@ REFUSAL_REASONS = {
     "protocol_error": "protocol_errors",
     "pushed_out": "pushed_out",
     "limit": "limit_refusals",
+    "connection_cap": "connections_refused",  # over --max-connections or the tenant's cap
+    "request_bound": "requests_refused",  # repeated keys, --max-request-bytes, the tenant's share
+    "idle": "idle_closed",  # closed after --idle-timeout
 }
 """``refusals`` label ``reason`` -> the server's counter."""
 

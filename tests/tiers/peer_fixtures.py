@@ -301,8 +301,9 @@ class RawConnection:
     def handshake(
         self, token: bytes | None, tenant: str = proto.DEFAULT_TENANT, agent: RawAgent | None = None
     ) -> proto.Welcome | None:
-        """Authenticate as ``tenant``; the WELCOME, or ``None`` if the peer closed instead.
-        With ``agent``, announce it too (AGENT, then READY), so requests may follow."""
+        """Authenticate as ``tenant``; the WELCOME, or ``None`` if the peer closed instead (or
+        refused: over a connection cap). With ``agent``, announce it too (AGENT, then READY),
+        so requests may follow."""
         challenge = self.read_frame()
         assert challenge is not None and challenge.type == proto.Msg.CHALLENGE
         proto.decode_challenge(challenge.payload)
@@ -314,7 +315,7 @@ class RawConnection:
             frame = self.read_frame()
         except ConnectionResetError:
             frame = None
-        if frame is None:
+        if frame is None or frame.type == proto.Msg.ERROR:  # closed, or refused (a cap)
             self.session = None
             return None
         assert frame.type == proto.Msg.WELCOME

@@ -111,6 +111,26 @@ def test_frames_are_checked_before_they_are_read():
         _read(frame[:-1])
 
 
+async def test_a_frame_must_begin_within_idle_s_and_end_within_frame_s():
+    frame = proto.encode_frame(proto.Msg.STATS, 5)
+    reader = asyncio.StreamReader()
+    with pytest.raises(proto.IdleTimeout):  # nothing came
+        await proto.read_frame(reader, idle_s=0.05, frame_s=0.05)
+    reader.feed_data(frame[:3])  # begun, never finished: the frame deadline, not the idle one
+    with pytest.raises(proto.ProtocolError, match="not complete"):
+        await proto.read_frame(reader, idle_s=10.0, frame_s=0.05)
+    reader = asyncio.StreamReader()
+    reader.feed_data(frame[:1])
+
+    async def rest() -> None:
+        await asyncio.sleep(0.02)
+        reader.feed_data(frame[1:])
+
+    feeding = asyncio.create_task(rest())
+    assert await proto.read_frame(reader, idle_s=0.01, frame_s=5.0) == proto.Frame(proto.Msg.STATS, 5, b"")
+    await feeding
+
+
 def test_the_client_mac_binds_token_and_whole_transcript():
     challenge = proto.encode_challenge(os.urandom(32))
     auth = proto.encode_auth_body(os.urandom(32), "team-a")

@@ -16,7 +16,10 @@ Failures come in two kinds, so the caller can tell a sick peer from a refused re
   ``PeerTimeout`` when the transfer ran out of time.)
 
 When the connection breaks while idle (the peer was killed: EOF), ``on_lost`` is called
-once, so the peer is marked down before any call has to fail on it.
+once, so the peer is marked down before any call has to fail on it. A connection the peer
+closes for being idle (``--idle-timeout``: ERROR ``IDLE`` first) is not a failure:
+``closed_idle`` is set before ``on_lost``, and the owner reopens it on its next call; a
+call that crossed the notice fails with ``PeerIdleClosed`` (the peer did not serve it).
 
 Every frame after AUTH is sealed and verified (``peer_protocol.Session``). A reply whose
 tag fails (a relay injected, replayed or rewrote it) breaks the connection like any
@@ -46,6 +49,11 @@ class PeerUnavailable(Exception):
 
 class PeerTimeout(PeerUnavailable):
     """A reply did not come by the deadline (a stopped or hung peer)."""
+
+
+class PeerIdleClosed(PeerUnavailable):
+    """The peer closed the connection as idle; a request still waiting was never served (the
+    peer reads nothing after its notice), so nothing of it can land."""
 
 
 class PeerRefused(Exception):
@@ -99,6 +107,7 @@ class PeerClient:
         self._pending: dict[int, asyncio.Future[proto.Frame]] = {}
         self._next_id = 0
         self.closed = False
+        self.closed_idle = False  # the peer closed it for being idle: reopen, no failure
         self._reading = asyncio.create_task(self._read_replies(), name=f"kvtier-peer-{address}")
 
     @classmethod
@@ -143,6 +152,9 @@ class PeerClient:
                     ) from exc
                 except proto.AuthenticationError as exc:
                     raise PeerUnavailable(f"{address}: the WELCOME does not verify: {exc}") from exc
+                if frame.type == proto.Msg.ERROR:  # authenticated, but over a connection cap
+                    _code, text = proto.decode_error(frame.payload)
+                    raise PeerUnavailable(f"{address}: refused: {text}")
                 if frame.type != proto.Msg.WELCOME:
                     raise proto.ProtocolError(f"expected WELCOME, got {frame.type.name}")
                 welcome = proto.decode_welcome(frame.payload)
@@ -295,6 +307,12 @@ class PeerClient:
         try:
             while True:
                 frame = await proto.read_frame(self._reader, proto.MAX_FRAME, self._session)
+                if frame.request_id == 0 and frame.type == proto.Msg.ERROR:
+                    code, text = proto.decode_error(frame.payload)
+                    if code == proto.ErrorCode.IDLE:
+                        self.closed_idle = True
+                        reason = f"closed by the peer: {text}"
+                        break
                 future = self._pending.get(frame.request_id)
                 if future is not None and not future.done():
                     future.set_result(frame)
@@ -310,9 +328,10 @@ class PeerClient:
             return
         self.closed = True
         self._writer.transport.abort()
+        failure = PeerIdleClosed if self.closed_idle else PeerUnavailable
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(PeerUnavailable(f"{self.address}: {reason}"))
+                future.set_exception(failure(f"{self.address}: {reason}"))
         on_lost, self._on_lost = self._on_lost, None
         if on_lost is not None:
             on_lost(self, reason)

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Callable, Set
 
 from tiers.fast_checksum import checksum_at
-from tiers.remote.client import PeerRefused, PeerTimeout, PeerUnavailable
+from tiers.remote.client import PeerIdleClosed, PeerRefused, PeerTimeout, PeerUnavailable
 from tiers.remote.membership import Link
 from tiers.remote.nixl_agent import AgentThread, TransferError
 from tiers.remote.protocol import Landed
@@ -157,8 +157,8 @@ class DataPlane:
                 headers = await link.client.get(
                     [wire[i] for i in idxs], [len(views[i]) for i in idxs], [addrs[i] for i in idxs], deadline
                 )
-        except PeerRefused:
-            raise  # refused before any transfer started: nothing can land
+        except (PeerRefused, PeerIdleClosed):
+            raise  # refused, or never read by the peer: nothing can land
         except PeerUnavailable as exc:
             if isinstance(exc, PeerTimeout):
                 self._stats.timeouts += 1

@@ -11,6 +11,13 @@ area, which hold a value only this session can compute) and ends when the peer h
 them, which proves the data plane and wires the transport up before the first real
 transfer.
 
+A peer that closes a connection for being idle (its ``--idle-timeout``) is **parked**, not
+marked down: it stays up (routing keeps its keys), no failure is counted, and the next call
+reopens the connection before it routes (``reopen_parked``); only if that handshake fails
+is the peer down. An idle engine costs the peer no connection and loses nothing. (A call
+sent in the instant the peer closes fails with ``PeerIdleClosed``: its rows are misses or
+unstored, never partly written, since the peer read none of it.)
+
 Everything here runs on the tier's event loop; ``Peer.up`` is a plain read, safe from the
 scheduler's thread.
 """
@@ -54,10 +61,11 @@ class Peer:
     failures: int = 0
     retry_at: float = 0.0
     connecting: asyncio.Task | None = None
+    parked: bool = False  # its idle connection was closed by the peer: reopened on next use
 
     @property
     def up(self) -> bool:
-        return self.client is not None and not self.client.closed
+        return self.parked or (self.client is not None and not self.client.closed)
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,8 +126,9 @@ class Membership:
         return [p.address for p in self.peers if p.up]
 
     def links(self) -> list[Link]:
-        """A link per peer that is up now, for one call (after ``reconnect_due``)."""
-        return [Link(p, p.client) for p in self.peers if p.up and p.client is not None]
+        """A link per peer that is up now, for one call (after ``reconnect_due`` and
+        ``reopen_parked``)."""
+        return [Link(p, p.client) for p in self.peers if p.client is not None and not p.client.closed]
 
     def peer(self, address: str) -> Peer:
         return next(p for p in self.peers if p.address == address)
@@ -135,6 +144,17 @@ class Membership:
         for peer in self.peers:
             if not peer.up and peer.connecting is None and now >= peer.retry_at:
                 peer.connecting = asyncio.create_task(self.connect(peer))
+
+    async def reopen_parked(self) -> None:
+        """Reconnect every parked peer and wait for those handshakes (each within
+        ``deadline_s``): a peer whose handshake fails is down, as any other."""
+        parked = [peer for peer in self.peers if peer.parked]
+        if not parked:
+            return
+        for peer in parked:
+            if peer.connecting is None:
+                peer.connecting = asyncio.create_task(self.connect(peer))
+        await asyncio.wait([asyncio.shield(p.connecting) for p in parked if p.connecting is not None])
 
     async def connect(self, peer: Peer) -> None:
         """Handshake, announcing this client's agent; the peer READs its probe bytes (which
@@ -160,6 +180,7 @@ class Membership:
                 agent=announcement,
             )
         except Exception as exc:  # whatever went wrong, the peer is not usable now
+            peer.parked = False
             self._back_off(peer)
             log.warning(
                 "peer %s unreachable (%s); next try in %.1f s",
@@ -175,13 +196,24 @@ class Membership:
         if peer.failures:
             self._stats.rejoins += 1
             log.warning("peer %s is back (instance %s)", peer.address, welcome.instance_id.hex()[:8])
-        peer.client, peer.failures = client, 0
+        peer.client, peer.failures, peer.parked = client, 0, False
 
     def _on_lost(self, peer: Peer) -> Callable[[PeerClient, str], None]:
         def lost(client: PeerClient, reason: str) -> None:
-            self.mark_down(peer, reason, client)
+            if client.closed_idle:
+                self.park(peer, client)
+            else:
+                self.mark_down(peer, reason, client)
 
         return lost
+
+    def park(self, peer: Peer, client: PeerClient) -> None:
+        """The peer closed ``client`` for being idle: keep the peer up, reopen on next use."""
+        if peer.client is not client:
+            return
+        peer.client, peer.parked = None, True
+        log.info("peer %s closed an idle connection; it is reopened on the next call", peer.address)
+        self._close_later(client)
 
     def mark_down(self, peer: Peer, reason: str, client: PeerClient | None = None) -> None:
         """Stop routing to ``peer``; retry it after a backoff. With ``client``: only if that is
@@ -196,6 +228,9 @@ class Membership:
         log.warning(
             "peer %s down: %s; next try in %.1f s", peer.address, reason, peer.retry_at - time.monotonic()
         )
+        self._close_later(client)
+
+    def _close_later(self, client: PeerClient) -> None:
         task = asyncio.ensure_future(client.close())
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)

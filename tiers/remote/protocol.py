@@ -126,6 +126,10 @@ class AuthenticationError(ProtocolError):
     """A frame whose tag does not verify: injected, replayed, reordered or rewritten."""
 
 
+class IdleTimeout(Exception):
+    """No byte of a next frame came within ``read_frame``'s ``idle_s`` (nothing was consumed)."""
+
+
 class Msg(IntEnum):
     CHALLENGE = 1
     AUTH = 2
@@ -155,6 +159,8 @@ class ErrorCode(IntEnum):
     TRANSFER_FAILED = 4  # the peer's NIXL transfer failed; the connection closes after this
     # reply (the peer dropped this client's NIXL agent)
     TRANSFER_TIMEOUT = 5  # the same, because the transfer ran out of the client's budget
+    IDLE = 6  # request id 0: the peer closes this connection, idle for its --idle-timeout;
+    # it read nothing after this notice, so no request still waiting for a reply was served
 
 
 _MSG_VALUES = frozenset(int(m) for m in Msg)
@@ -172,18 +178,36 @@ def encode_frame(msg_type: Msg, request_id: int, payload: bytes = b"") -> bytes:
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, max_body: int = MAX_FRAME, session: Session | None = None
+    reader: asyncio.StreamReader,
+    max_body: int = MAX_FRAME,
+    session: Session | None = None,
+    *,
+    idle_s: float | None = None,
+    frame_s: float | None = None,
 ) -> Frame:
     """The next frame; ``ProtocolError`` on a bad length or type, ``IncompleteReadError`` at EOF.
 
     With ``session`` the frame must carry a valid tag (``AuthenticationError`` otherwise),
-    checked before its type or payload is looked at.
+    checked before its type or payload is looked at. ``idle_s``: ``IdleTimeout`` if the
+    frame's first byte does not come by then; ``frame_s``: once it came, the whole frame must
+    come within that many seconds, else ``ProtocolError`` (a trickled frame holds nothing long).
     """
-    (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    least = _BODY.size + (TAG_BYTES if session is not None else 0)
-    if length < least or length > max_body:
-        raise ProtocolError(f"frame of {length} bytes (allowed {least}..{max_body})")
-    body = await reader.readexactly(length)
+    first = b""
+    if idle_s is not None:
+        try:
+            async with asyncio.timeout(idle_s):
+                first = await reader.readexactly(1)
+        except TimeoutError:
+            raise IdleTimeout(f"no frame for {idle_s:g} s") from None
+    try:
+        async with asyncio.timeout(frame_s):
+            (length,) = _LEN.unpack(first + await reader.readexactly(_LEN.size - len(first)))
+            least = _BODY.size + (TAG_BYTES if session is not None else 0)
+            if length < least or length > max_body:
+                raise ProtocolError(f"frame of {length} bytes (allowed {least}..{max_body})")
+            body = await reader.readexactly(length)
+    except TimeoutError:
+        raise ProtocolError(f"a frame not complete {frame_s:g} s after its first byte") from None
     if session is not None:
         body = session.open(body)
     msg_type, request_id = _BODY.unpack_from(body)

@@ -31,7 +31,13 @@ failed handshake closes the connection before the peer says anything about itsel
 Availability: a connection has ``--handshake-timeout`` to authenticate; at most
 ``MAX_UNAUTHENTICATED_PER_SOURCE`` unauthenticated connections per source address and
 ``MAX_UNAUTHENTICATED`` in all are kept (a new one pushes out the oldest, so idle sockets
-cannot lock a real client out); ``--max-connections`` counts authenticated connections only.
+cannot lock a real client out); ``--max-connections`` counts authenticated connections only,
+and one tenant holds at most ``--max-connections-per-tenant`` of them (an equal share), so
+no tenant locks another out. After the handshake a connection without a request for
+``--idle-timeout`` is closed (clients reopen it), and a frame must come whole within
+``--frame-timeout`` of its first byte. The work one request causes is bounded (each key once,
+at most ``--max-request-bytes`` of rows), and so is each tenant's share of the data plane
+(``tiers/remote/fair_share.py``: transfers and bytes in flight per tenant).
 UCX is bound to the interface of ``--listen`` (``UCX_NET_DEVICES``) unless the user set it.
 SIGTERM or SIGINT stops the peer cleanly (exit status 0). When ready it writes one line to stdout,
 ``kvtier peer listening on HOST:PORT ...``, which is how scripts and tests learn a port
@@ -50,6 +56,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +70,7 @@ from tiers.base import Stats
 from tiers.fast_checksum import checksum_at
 from tiers.remote import protocol as proto
 from tiers.remote.auth import Credentials, read_token_file
+from tiers.remote.fair_share import Busy, TenantShares
 from tiers.remote.net_iface import bind_ucx_to
 from tiers.remote.nixl_agent import AgentThread, TransferTimeout, descriptors, quietly, settle
 from tiers.remote.nixl_metadata import MetadataError, check_client_metadata
@@ -85,6 +93,9 @@ class ServerCounters(Stats):
     agents_refused: int = 0  # AGENT frames whose metadata or probe did not pass
     transfers_failed: int = 0  # a READ or WRITE of a client's rows that failed or ran late
     limit_refusals: int = 0  # PUTs answered LIMIT (too many uncommitted allocations)
+    connections_refused: int = 0  # authenticated, but over --max-connections or its tenant's cap
+    idle_closed: int = 0  # connections closed after --idle-timeout without a request
+    requests_refused: int = 0  # repeated keys, over --max-request-bytes, or the tenant's share full
     transfers: TransferRecord = field(default_factory=TransferRecord)  # answered: counts, bytes, seconds
 
 
@@ -97,6 +108,18 @@ MAX_UNAUTHENTICATED = 512
 MAX_TTL_S = 3600.0
 MAX_CONNECTIONS = 65536
 MAX_TRANSFERS_PER_CONNECTION = 8
+IDLE_TIMEOUT_S = 300.0
+"""An authenticated connection without a request for this long is closed (the client reopens
+it on its next call: ``tiers/remote/membership.py``)."""
+FRAME_TIMEOUT_S = 10.0
+"""Once a frame's first byte came, the whole frame (at most ``proto.MAX_FRAME``) must come
+within this: 100 KB/s, far below any network a peer serves over."""
+MAX_REQUEST_BYTES = 256 << 20
+"""The rows one PUT or GET may name, in all: four times a client's default ``transfer_bytes``
+(64 MiB, cut after the row that reaches it), so one request causes a bounded copy and hash."""
+TENANT_TRANSFERS = 16
+"""Transfers of one tenant in flight at once (``fair_share``); a real engine keeps two per
+peer per tier."""
 WRITE_TIMEOUT_S = 10.0
 GET_PART_BYTES = 2 << 20
 """A GET's WRITE is cut into parts of about this size, each verified right after its copy,
@@ -118,6 +141,15 @@ class _Rows:
     lengths: list[int]
     addrs: list[int]
     deadline: float
+
+
+class Refused(Exception):
+    """A well-formed request the peer will not serve (answered ERROR ``code``; the connection
+    stays): repeated keys, more rows than ``--max-request-bytes``, a full share."""
+
+    def __init__(self, code: proto.ErrorCode, text: str) -> None:
+        super().__init__(text)
+        self.code = code
 
 
 class TransferFailed(Exception):
@@ -143,6 +175,22 @@ class PeerSettings:
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     max_unauthenticated_per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE
     max_unauthenticated: int = MAX_UNAUTHENTICATED
+    max_connections_per_tenant: int | None = None  # None: an equal share of max_connections
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    frame_timeout_s: float = FRAME_TIMEOUT_S
+    max_request_bytes: int = MAX_REQUEST_BYTES  # at least row_bytes (parse_args checks)
+    tenant_transfers: int = TENANT_TRANSFERS
+    tenant_bytes: int = 2 * MAX_REQUEST_BYTES  # rows in flight per tenant
+
+    def tenant_cap(self) -> int | None:
+        """Authenticated connections one tenant may hold: ``max_connections_per_tenant``, or
+        an equal share of ``max_connections`` (so every tenant can always reach its share);
+        ``None`` without a token file (claimed tenants prove nothing: the global cap only)."""
+        if self.credentials.open:
+            return None
+        if self.max_connections_per_tenant is not None:
+            return self.max_connections_per_tenant
+        return max(1, self.max_connections // max(1, len(self.credentials.tenants)))
 
 
 class ServedMemory:
@@ -270,6 +318,9 @@ class PeerServer:
         self.memory = ServedMemory(num_slots, settings.row_bytes, f"kvtier-peer-{self.instance_id.hex()}")
         self._conn_ids = itertools.count(1)
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
+        self._tenant_connections: Counter[str] = Counter()  # authenticated, per tenant
+        self._tenant_cap = settings.tenant_cap()
+        self.shares = TenantShares(settings.tenant_transfers, settings.tenant_bytes)
         self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
         self._agents: dict[str, int] = {}  # loaded client agent -> its connection
         self._handlers: set[asyncio.Task] = set()
@@ -316,6 +367,7 @@ class PeerServer:
         peername = writer.get_extra_info("peername")
         source = str(peername[0]) if isinstance(peername, tuple) else str(peername)
         agent: str | None = None
+        tenant = ""
         try:
             self._admit(conn_id, source, writer)
             tenant, session = await self._handshake(reader, writer, peername)
@@ -326,10 +378,14 @@ class PeerServer:
             if num_slots == 0:
                 log.warning("refusing %s: tenant %r has no slots", peername, tenant)
                 return
-            if len(self._connections) >= self.settings.max_connections:
-                log.warning("refusing %s: %d connections already", peername, len(self._connections))
+            refusal = self._over_cap(tenant)
+            if refusal is not None:
+                self.counters.connections_refused += 1
+                log.warning("refusing %s: %s", peername, refusal)
+                await self._send(writer, session, *_error(0, proto.ErrorCode.LIMIT, refusal))
                 return
             self._connections[conn_id] = writer
+            self._tenant_connections[tenant] += 1
             self.counters.connections += 1
             welcome = proto.Welcome(self.instance_id, self.pool.slot_bytes, num_slots)
             await self._send(writer, session, proto.Msg.WELCOME, 0, proto.encode_welcome(welcome))
@@ -350,13 +406,27 @@ class PeerServer:
             log.exception("closing %s after an unexpected error", peername)
         finally:
             self.pool.drop_owner(conn_id)
-            self._connections.pop(conn_id, None)
+            if self._connections.pop(conn_id, None) is not None:
+                self._tenant_connections[tenant] -= 1
+                if not self._tenant_connections[tenant]:
+                    del self._tenant_connections[tenant]
             self._unauthenticated.pop(conn_id, None)
             if agent is not None and self._agents.get(agent) == conn_id:
                 del self._agents[agent]
                 self.memory.forget(agent)
             self._handlers.discard(task)
             writer.close()
+
+    def _over_cap(self, tenant: str) -> str | None:
+        """Why an authenticated connection of ``tenant`` is refused (``None``: it is not):
+        ``--max-connections`` in all, and the tenant's cap (``PeerSettings.tenant_cap``), so
+        one tenant opening connections cannot lock another out."""
+        if len(self._connections) >= self.settings.max_connections:
+            return f"{len(self._connections)} connections already (--max-connections)"
+        if self._tenant_cap is not None and self._tenant_connections[tenant] >= self._tenant_cap:
+            cap = self._tenant_cap
+            return f"tenant {tenant!r} holds its {cap} connections (--max-connections-per-tenant)"
+        return None
 
     def _admit(self, conn_id: int, source: str, writer: asyncio.StreamWriter) -> None:
         """Keep at most so many unauthenticated connections per source and in all: a new one
@@ -470,12 +540,28 @@ class PeerServer:
     ) -> None:
         """Serve requests until the client leaves; puts and gets run as tasks (at most
         ``MAX_TRANSFERS_PER_CONNECTION`` at once), everything else in order. A connection
-        ends only once none of its transfers can still touch a slot."""
+        ends only once none of its transfers can still touch a slot.
+
+        A frame must come whole within ``--frame-timeout`` of its first byte; a connection
+        with no frame for ``--idle-timeout`` and no transfer in flight is told so (ERROR
+        ``IDLE``, request id 0) and closed: nothing it sends after that is read."""
         window = asyncio.Semaphore(MAX_TRANSFERS_PER_CONNECTION)
         transfers: set[asyncio.Task] = set()
+        idle_s, frame_s = self.settings.idle_timeout_s, self.settings.frame_timeout_s
         try:
             while True:
-                frame = await proto.read_frame(reader, proto.MAX_FRAME, session)
+                try:
+                    frame = await proto.read_frame(
+                        reader, proto.MAX_FRAME, session, idle_s=idle_s, frame_s=frame_s
+                    )
+                except proto.IdleTimeout:
+                    if transfers:
+                        continue  # waiting for its own transfers is not idle
+                    self.counters.idle_closed += 1
+                    log.info("closing agent %s's connection: no request for %g s", agent, idle_s)
+                    notice = f"no request for {idle_s:g} s (--idle-timeout): closing"
+                    await self._send(writer, session, *_error(0, proto.ErrorCode.IDLE, notice))
+                    return
                 if frame.type in (proto.Msg.PUT, proto.Msg.GET):
                     await window.acquire()
                     task = asyncio.create_task(
@@ -488,6 +574,7 @@ class PeerServer:
                 if reply is not None:
                     await self._send(writer, session, *reply)
         finally:
+            self.shares.abandon(conn_id)  # the client is gone: what waits for its turn never starts
             if transfers:
                 await asyncio.gather(*transfers, return_exceptions=True)
 
@@ -500,12 +587,20 @@ class PeerServer:
         rid = frame.request_id
         try:
             keys, lengths, addrs, budget_ms = proto.decode_transfer(frame.payload)
+            nbytes = self._bounded(keys, lengths)
             rows = _Rows(keys, lengths, addrs, time.monotonic() + budget_ms / 1000 - REPLY_MARGIN_S)
             serve = self._put if frame.type == proto.Msg.PUT else self._get
             started = time.monotonic()
-            answer = (await serve(conn, tenant, agent, rows))(rid)
+            async with self.shares.admitted(tenant, conn, nbytes, rows.deadline):
+                answer = (await serve(conn, tenant, agent, rows))(rid)
             await self._send(writer, session, *answer)
             self.counters.transfers.served(answer, rows.lengths, time.monotonic() - started)
+        except (Refused, Busy) as exc:  # nothing moved; the connection stays
+            self.counters.requests_refused += 1
+            log.info("refused a %s of tenant %r: %s", frame.type.name, tenant, exc)
+            code = exc.code if isinstance(exc, Refused) else proto.ErrorCode.LIMIT
+            with contextlib.suppress(Exception):
+                await self._send(writer, session, *_error(rid, code, str(exc)))
         except proto.ProtocolError as exc:
             self.counters.protocol_errors += 1
             log.warning("closing a connection: %s", exc)
@@ -526,6 +621,19 @@ class PeerServer:
         except Exception:  # a bug: the client must not wait for its deadline, nor the loop die
             log.exception("closing a connection after an unexpected error in a transfer")
             writer.close()
+
+    def _bounded(self, keys: list[bytes], lengths: list[int]) -> int:
+        """The bytes of rows a PUT or GET names, once they pass the bounds on the work one
+        request may cause: each key once (a real client never repeats one; repeated, one
+        stored row would be copied and hashed once per repeat), at most ``--max-request-bytes``."""
+        _distinct(keys)
+        nbytes = sum(lengths)
+        if nbytes > self.settings.max_request_bytes:
+            raise Refused(
+                proto.ErrorCode.LIMIT,
+                f"a request of {nbytes} B of rows (--max-request-bytes {self.settings.max_request_bytes})",
+            )
+        return nbytes
 
     async def _move(
         self,
@@ -630,10 +738,10 @@ class PeerServer:
                 pool.abort(conn, proto.decode_id(payload))
                 return None
             if frame.type == msg.CONTAINS:
-                flags = pool.contains(proto.decode_keys(payload), tenant)
+                flags = pool.contains(_distinct(proto.decode_keys(payload)), tenant)
                 return msg.CONTAINED, rid, proto.encode_flags(flags)
             if frame.type == msg.DELETE:
-                deleted = pool.delete(proto.decode_keys(payload), tenant)
+                deleted = pool.delete(_distinct(proto.decode_keys(payload)), tenant)
                 return msg.DELETED, rid, proto.encode_count(deleted)
             if frame.type == msg.STATS:
                 if payload:
@@ -646,6 +754,9 @@ class PeerServer:
                 return msg.STATS_REPLY, rid, proto.encode_stats(stats)
         except UnknownAllocation:
             return _error(rid, proto.ErrorCode.UNKNOWN_ALLOCATION, "allocation expired or unknown")
+        except Refused as exc:
+            self.counters.requests_refused += 1
+            return _error(rid, exc.code, str(exc))
         except PoolLimitError as exc:
             return _error(rid, proto.ErrorCode.LIMIT, str(exc))
         except ValueError as exc:  # well-formed but inconsistent (a header count)
@@ -664,6 +775,13 @@ def _cut(indexes: list[int], lengths: list[int], part_bytes: int) -> list[list[i
         parts[-1].append(i)
         size += lengths[i]
     return parts
+
+
+def _distinct(keys: list[bytes]) -> list[bytes]:
+    """``keys``, if no key is repeated (``Refused`` otherwise)."""
+    if len(set(keys)) != len(keys):
+        raise Refused(proto.ErrorCode.BAD_REQUEST, f"a key repeated among {len(keys)} keys")
+    return keys
 
 
 def _error(rid: int, code: proto.ErrorCode, text: str) -> tuple[proto.Msg, int, bytes]:
@@ -745,6 +863,46 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
         metavar="N",
         help="authenticated connections",
     )
+    parser.add_argument(
+        "--max-connections-per-tenant",
+        type=_count(MAX_CONNECTIONS),
+        metavar="N",
+        help="authenticated connections of one tenant (an equal share of --max-connections; "
+        "without --token-file only --max-connections applies)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=IDLE_TIMEOUT_S,
+        metavar="S",
+        help="a connection without a request for this long is closed (clients reopen it)",
+    )
+    parser.add_argument(
+        "--frame-timeout",
+        type=_seconds,
+        default=FRAME_TIMEOUT_S,
+        metavar="S",
+        help="a frame must come whole within this of its first byte",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="rows one PUT or GET may name, in all (256MiB, and one row at least)",
+    )
+    parser.add_argument(
+        "--tenant-transfers",
+        type=_count(MAX_CONNECTIONS),
+        default=TENANT_TRANSFERS,
+        metavar="N",
+        help="PUTs and GETs of one tenant in flight at once; more wait their turn",
+    )
+    parser.add_argument(
+        "--tenant-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="rows of one tenant in flight at once (twice --max-request-bytes); more wait",
+    )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -773,6 +931,22 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
         make_policy(args.policy, 1)
     except ValueError as exc:
         parser.error(f"--policy: {exc}")
+    if args.max_connections_per_tenant is not None and args.max_connections_per_tenant > args.max_connections:
+        parser.error(
+            f"--max-connections-per-tenant {args.max_connections_per_tenant} is more than "
+            f"--max-connections {args.max_connections}"
+        )
+    max_request = max(MAX_REQUEST_BYTES, args.row_bytes)
+    if args.max_request_bytes is not None:
+        if args.max_request_bytes < args.row_bytes:
+            parser.error(
+                f"--max-request-bytes {args.max_request_bytes} B is less than one row of "
+                f"--row-bytes {args.row_bytes} B"
+            )
+        max_request = args.max_request_bytes
+    tenant_bytes = 2 * max_request if args.tenant_bytes is None else args.tenant_bytes
+    if tenant_bytes < max_request:
+        parser.error(f"--tenant-bytes {tenant_bytes} B is less than --max-request-bytes {max_request} B")
     return PeerSettings(
         host=args.listen[0],
         port=args.listen[1],
@@ -784,6 +958,12 @@ def parse_args(argv: list[str] | None) -> PeerSettings:
         lease_ttl_s=args.lease_ttl,
         max_connections=args.max_connections,
         handshake_timeout_s=args.handshake_timeout,
+        max_connections_per_tenant=args.max_connections_per_tenant,
+        idle_timeout_s=args.idle_timeout,
+        frame_timeout_s=args.frame_timeout,
+        max_request_bytes=max_request,
+        tenant_transfers=args.tenant_transfers,
+        tenant_bytes=tenant_bytes,
     )
 
 

@@ -16,10 +16,11 @@ Every call has one deadline (``deadline_s``, default 2 s) covering the control m
 the transfers (the peer is told the time left and ends its transfer by then). A peer that
 fails within it (no answer in time, a closed connection, a failed transfer) is marked down
 (``membership``): its keys keep whatever result they had (a miss, a failed put) or go to
-their next owner; a refused request fails only its own keys. A get that a peer did not
-answer may still have bytes on their way into the caller's rows: the call then raises
-``RowsAbandoned`` with its per-row results, and those rows are never reused
-(``data_plane``).
+their next owner; a refused request fails only its own keys. A connection that a peer
+closed for being idle is no failure: the next call reopens it before it routes
+(``membership``). A get that a peer did not answer may still have bytes on their way into
+the caller's rows: the call then raises ``RowsAbandoned`` with its per-row results, and
+those rows are never reused (``data_plane``).
 
 Keys on the wire are ``namespace + key``: the namespace (a digest that includes the tenant
 salt) keeps engines that must not share rows apart. Tenants are kept apart by the peer
@@ -278,6 +279,7 @@ class RemoteTier(LowerTier):
                 self._members.mark_down(peer, str(exc), client)
 
         self._members.reconnect_due()
+        await self._members.reopen_parked()
         await asyncio.gather(*(delete_on(p) for p in self._members.peers if p.up))
 
     def stats(self) -> RemoteStats:
@@ -301,6 +303,8 @@ class RemoteTier(LowerTier):
     async def peer_stats(self, address: str) -> dict[str, int]:
         """The STATS of one reachable peer (``PeerUnavailable`` if it is down)."""
         peer = self._members.peer(address)
+        if peer.parked:
+            await self._members.reopen_parked()
         if peer.client is None or not peer.up:
             raise PeerUnavailable(f"{address} is down")
         return await peer.client.stats(self._deadline())
@@ -359,6 +363,7 @@ class RemoteTier(LowerTier):
         a failed put). A refused request fails only its own keys.
         """
         self._members.reconnect_due()
+        await self._members.reopen_parked()
         links = self._members.links()
         groups = group_by_owner(wire, links, [link.peer.seed for link in links])
         if not groups:
