@@ -1,8 +1,8 @@
 """Per-request control through vLLM's ``kv_transfer_params``, as vLLM's own tiers take it:
 ``max_offload_tokens`` (vLLM's scheduler stores no chunk past it: 0 stores nothing, in any
-tier) and ``kv_load_tiers`` (kvtier's manager promotes from, and asks, only the lower tiers
-it names; the host tier is always looked in). Each check is paired with the same request
-without the parameter, which stores or loads."""
+tier), ``max_load_tokens`` (nor loads one past it) and ``kv_load_tiers`` (kvtier's manager
+promotes from, and asks, only the lower tiers it names; the host tier is always looked in).
+Each check is paired with the same request without the parameter, which stores or loads."""
 
 from __future__ import annotations
 
@@ -68,6 +68,20 @@ def test_max_offload_tokens_caps_what_a_request_stores(make_engine):
     engine.run()
     assert engine.requests[again].loaded == [(0, 4 * BLOCK_SIZE)]  # the capped part only
     assert manager.stats.stored_rows == FULL // BLOCK_SIZE  # the rest, stored by this one
+
+
+def test_max_load_tokens_caps_what_a_request_loads(make_engine):
+    engine = make_engine()
+    engine.add(PROMPT)
+    engine.run()
+    engine.evict_device_cache()
+    capped = engine.add(PROMPT, kv_transfer_params={"max_load_tokens": 3 * BLOCK_SIZE})
+    engine.run()
+    assert engine.requests[capped].loaded == [(0, 3 * BLOCK_SIZE)]
+    engine.evict_device_cache()
+    again = engine.add(PROMPT)  # without the parameter: the whole prompt
+    engine.run()
+    assert engine.requests[again].loaded == [(0, FULL)]
 
 
 @pytest.mark.parametrize(
