@@ -248,14 +248,19 @@ class HostTierManager:
 
     # -- lookups and loads -------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey) -> Lookup:
-        """Where ``key`` is: in the host tier (``_lookup_host``), else below (``_look_below``)."""
+    def lookup(self, key: OffloadKey, below: AbstractSet[int] | None = None) -> Lookup:
+        """Where ``key`` is: in the host tier (``_lookup_host``), else below (``_look_below``).
+
+        ``below``: the indices of the lower tiers this lookup may promote from or ask (a
+        request's choice, e.g. vLLM's ``kv_load_tiers``); ``None`` for all of them. The host
+        tier is always looked in: every load comes from it.
+        """
         lower = self.lower
         if lower.has_results():
             self.apply_finished()  # not poll(): promotions queued by this step's lookups go out together
         found = self._lookup_host(key)
         if found is Lookup.MISS:
-            return self._look_below(key)
+            return self._look_below(key, below)
         self._last_lookup[key_group(key)] = key
         if found is Lookup.HIT:
             lower.observe(key)
@@ -295,15 +300,16 @@ class HostTierManager:
 
         return lookup_host
 
-    def _look_below(self, key: OffloadKey) -> Lookup:
-        """A host miss: promote ``key`` from a tier that holds it, else ask the peers about it."""
+    def _look_below(self, key: OffloadKey, below: AbstractSet[int] | None) -> Lookup:
+        """A host miss: promote ``key`` from a tier that holds it, else ask the peers about it
+        (only tiers in ``below``, unless it is ``None``)."""
         lower = self.lower
-        tier = lower.locate(key)
+        tier = lower.locate(key, below)
         if tier is not None and self._promote(key, tier):
             self._last_lookup[key_group(key)] = key
             self.stats.pending += 1
             return Lookup.HIT_PENDING
-        if lower.ask(key):
+        if lower.ask(key, below):
             self.stats.retries += 1
             return Lookup.RETRY
         return Lookup.MISS

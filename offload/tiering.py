@@ -31,6 +31,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from offload.peer_asks import AskStats, PeerAsks
@@ -149,13 +150,16 @@ class LowerTierChain:
             if failed:
                 failed.pop(key, None)
 
-    def locate(self, key: bytes) -> int | None:
-        """The first promoting tier that holds ``key``, by its local index or a past ``contains``;
-        ``None`` also for a key whose promotion failed lately (``RETRY_FAILED_PROMOTIONS_S``)."""
+    def locate(self, key: bytes, among: AbstractSet[int] | None = None) -> int | None:
+        """The first promoting tier (of ``among``, unless ``None``) that holds ``key``, by its
+        local index or a past ``contains``; ``None`` also for a key whose promotion failed
+        lately (``RETRY_FAILED_PROMOTIONS_S``)."""
         if self._failed and self.failed_lately(key):
             return None
         known = self.asks.known(key)
         for index, (tier, placement) in enumerate(zip(self.tiers, self.placements, strict=True)):
+            if among is not None and index not in among:
+                continue
             if placement.promote_on_hit() and (known == index or tier.may_contain(key)):
                 return index
         return None
@@ -170,11 +174,14 @@ class LowerTierChain:
         del self._failed[key]
         return False
 
-    def ask(self, key: bytes) -> bool:
+    def ask(self, key: bytes, among: AbstractSet[int] | None = None) -> bool:
         """A host miss that no tier is known to hold: queue a ``contains`` on the tiers whose
         index is partial; whether the lookup should come back later (``PeerAsks.asking``).
-        A key whose promotion failed lately is not asked about: it is a miss."""
+        A key whose promotion failed lately is not asked about: it is a miss; so is one whose
+        lookup may not use any partial tier (``among``: the tiers it may use, ``None``: all)."""
         if self._failed and self.failed_lately(key):
+            return False
+        if among is not None and among.isdisjoint(self.asks.tiers):
             return False
         self.asks.ask_later([key])
         return self.asks.asking(key)
@@ -368,13 +375,13 @@ class NoLowerTiers(LowerTierChain):
     def computed(self, keys: Iterable[bytes]) -> None:
         pass
 
-    def locate(self, key: bytes) -> int | None:
+    def locate(self, key: bytes, among: AbstractSet[int] | None = None) -> int | None:
         return None
 
     def failed_lately(self, key: bytes) -> bool:
         return False
 
-    def ask(self, key: bytes) -> bool:
+    def ask(self, key: bytes, among: AbstractSet[int] | None = None) -> bool:
         return False
 
     def check(self, keys: Iterable[bytes]) -> None:

@@ -20,6 +20,11 @@ adapter adds what only vLLM needs:
   vLLM 0.32 has no such report: ``compat.UNFENCED_RESET_STEPS`` schedule ends instead)
   no promotion starts, so no tier writes into a slot a stale store may still be writing.
   Persisted rows in disk / remote tiers are kept (they are keyed by model and layout).
+- **Tiers a request loads from.** vLLM's ``kv_load_tiers`` (``ReqContext.load_tier_filter``)
+  chooses among the tiers below the host tier, by medium and locality
+  (``offload.vllm.tier_filter``): a lookup promotes from, and asks, only those; the host tier
+  is always looked in. (``max_offload_tokens`` needs nothing here: vLLM's scheduler stores no
+  chunk past it, and lower tiers only get rows the host tier stored.)
 - **Events** in vLLM's form (host: ``Medium.CPU``; disk: ``STORAGE``; remote: ``STORAGE``,
   ``REMOTE``), drained and dropped each step when vLLM does not publish KV events.
 - **Stats**: per-tier counters and latency (``offload.vllm.metrics``).
@@ -36,9 +41,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -55,6 +58,7 @@ from offload.tier_engine import OpKind
 from offload.tiering import TierOutcome
 from offload.vllm.compat import HAS_RESET_FENCE, UNFENCED_RESET_STEPS, ConfigInfo, ConfigInfoMapping
 from offload.vllm.metrics import LatencyRecorder, StatsReporter
+from offload.vllm.tier_filter import ALL_TIERS, lower_tiers_allowed, place
 from offload.vllm.worker_adapter import HostRowsSpec
 from tiers.host import HostTier
 
@@ -70,7 +74,6 @@ _LOOKUP = {
 }
 _HIT, _MISS = Lookup.HIT, Lookup.MISS
 _CHUNK_LEVEL = RequestOffloadingContext()
-_MEDIUM = {"host": (Medium.CPU, Locality.LOCAL), "disk": (Medium.STORAGE, Locality.LOCAL)}
 _SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
 _DRAIN_TIMEOUT_S = 10.0
 _SOURCES_KEPT = 65536
@@ -124,6 +127,7 @@ class KVTierOffloadingManager(OffloadingManager):
             else manager.host_lookup(LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING)
         )
         self._bind_lookup()
+        self._lower_kinds = [tier.kind for tier in manager.lower.tiers]
         self.latency = LatencyRecorder()
         # Host loads' and stores' latency (seconds), measured here on the scheduler's thread and
         # handed to ``latency`` in batches (``_record_host_latency``): a recorder observation
@@ -190,7 +194,10 @@ class KVTierOffloadingManager(OffloadingManager):
                 manager.apply_finished()  # a failed promotion frees its row: then it is not present
                 if not manager.contains(key):
                     return self._miss()  # no promotion may start until the reset's jobs are flushed
-        found = manager.lookup(key)
+        if req_context.load_tier_filter is ALL_TIERS:
+            found = manager.lookup(key)
+        else:  # the request named the tiers it loads from (kv_load_tiers): the host and those below
+            found = manager.lookup(key, lower_tiers_allowed(req_context, self._lower_kinds))
         # Identity tests, not _LOOKUP[found]: an Enum hashes in Python, a call per lookup.
         if found is _HIT:
             return LookupResult.HIT
@@ -297,7 +304,7 @@ class KVTierOffloadingManager(OffloadingManager):
             return []
         out = []
         for event in events:
-            medium, locality = _MEDIUM.get(event.medium, (Medium.STORAGE, Locality.REMOTE))
+            medium, locality = place(event.medium)
             out.append(
                 OffloadingEvent(
                     keys=[self._out(key) for key in event.keys],

@@ -51,6 +51,7 @@ from offload.namespace import Namespace
 from offload.peer_asks import PeerAsks
 from offload.tier_builder import build_tier
 from offload.tier_engine import OpKind, TierEngine
+from offload.vllm.tier_filter import place
 from tiers.base import LowerTier
 from tiers.row_format import layout_id_from_fingerprint
 from tiers.settings import LowerTierSettings
@@ -83,6 +84,9 @@ class _KVTierSecondaryTier(SecondaryTierManager):
         **tier_keys: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # What vLLM's per-request kv_load_tiers filter matches (and KV events say): the kind's
+        # place unless the tier's config names one, as for vLLM's own file tier.
+        self.locality = _locality(locality) if locality is not None else place(self.kind)[1]
         config = offloading_spec.config
         self.tier_config = _tier_config(self.kind, tier_keys)
         fingerprint = primary_row_fingerprint(offloading_spec, self.block_size_bytes)
@@ -168,9 +172,10 @@ class _KVTierSecondaryTier(SecondaryTierManager):
         if not self._stored:
             return ()
         keys, self._stored = self._stored, []
-        locality = Locality.REMOTE if self.kind == "remote" else Locality.LOCAL
         return [
-            OffloadingEvent(keys, Medium.STORAGE, removed=False, locality=locality, ownership=self.tier_type)
+            OffloadingEvent(
+                keys, self.medium, removed=False, locality=self.locality, ownership=self.tier_type
+            )
         ]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -198,7 +203,8 @@ class _KVTierSecondaryTier(SecondaryTierManager):
 
 class KVTierDiskTier(_KVTierSecondaryTier):
     """kvtier's LMDB disk tier. Keys: ``path``, ``capacity`` (size), ``eviction``,
-    ``eviction_params``; ``model``/``tenant`` override the namespace."""
+    ``eviction_params``; ``model``/``tenant`` override the namespace; ``locality`` (what vLLM's
+    ``kv_load_tiers`` matches) is ``LOCAL`` unless given."""
 
     kind = "disk"
     medium = Medium.STORAGE
@@ -208,10 +214,18 @@ class KVTierRemoteTier(_KVTierSecondaryTier):
     """kvtier's NIXL peers. Keys: ``peers`` (``host:port`` list), ``token_file``,
     ``peer_tenant`` (the tenant claimed at the peers, which the token must grant),
     ``deadline_s``, ``lookup_wait_s``, ``checksum_thread``, ``capacity`` (required, as in the
-    TOML); ``model``/``tenant`` override the namespace."""
+    TOML); ``model``/``tenant`` override the namespace; ``locality`` is ``REMOTE`` unless given."""
 
     kind = "remote"
     medium = Medium.STORAGE
+
+
+def _locality(value: object) -> Locality:
+    """A tier config's ``locality`` (``"LOCAL"`` or ``"REMOTE"``, any case)."""
+    try:
+        return Locality(str(value).upper())
+    except ValueError:
+        raise ConfigError(f"locality = {value!r}: expected LOCAL or REMOTE") from None
 
 
 def _tier_config(kind: str, keys: dict[str, Any]) -> LowerTierSettings:

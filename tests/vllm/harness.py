@@ -247,9 +247,18 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def add(self, prompt: Sequence[int], max_tokens: int = 1, cache_salt: str | None = None) -> str:
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
+        """Queue a request; ``kv_transfer_params`` travel as vLLM's OpenAI server sends them
+        (``SamplingParams.extra_args``)."""
         req_id = f"req-{next(self._ids)}"
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         request = Request(
             req_id, list(prompt), params, None, cache_salt=cache_salt, block_hasher=self._hasher
         )

@@ -192,3 +192,45 @@ def test_a_peer_row_another_engine_put_is_found_and_promoted(tmp_path, wait):
         for manager in (reader, writer):
             manager.shutdown()
         peer.close()
+
+
+def test_kv_load_tiers_matches_a_kvtier_tier_by_its_locality(tmp_path):
+    """vLLM's tiering manager filters secondary tiers by medium and locality: kvtier's disk is
+    ``STORAGE``/``LOCAL`` (a ``locality`` key overrides it), so a request that loads only from
+    remote tiers does not promote from it, and one that loads from local ones does."""
+    from vllm.v1.kv_offload.base import Locality, Medium, TierFilter, TierMatcher
+
+    from offload.config import ConfigError
+
+    with pytest.raises(ConfigError, match="locality"):
+        tiering_spec(tmp_path, locality="nearby").get_manager()
+    spec = tiering_spec(tmp_path)
+    manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        assert (tier.medium, tier.locality) == (Medium.STORAGE, Locality.LOCAL)
+        keys = [make_offload_key(bytes([60 + i]) * 32, 0) for i in range(2)]
+        store_rows(manager, keys, "first")
+        with locked(manager):
+            manager.reset_cache()
+            if hasattr(manager, "on_reset_flushed"):
+                manager.on_reset_flushed()
+        remote_only = ReqContext("remote", load_tier_filter=TierFilter((TierMatcher(None, Locality.REMOTE),)))
+        local = ReqContext(
+            "local", load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),))
+        )
+        with locked(manager):
+            for ctx in (remote_only, local):
+                manager.on_new_request(ctx)
+            assert manager.lookup(keys[0], remote_only) is LookupResult.MISS
+            assert manager.lookup(keys[0], local) is LookupResult.HIT_PENDING
+            for ctx in (remote_only, local):
+                manager.on_request_finished(ctx)
+        settle(manager, lambda: not manager.has_pending_work())
+    finally:
+        manager.shutdown()
+    shared = tiering_spec(tmp_path, locality="remote", path=str(tmp_path / "nfs")).get_manager()
+    try:
+        assert shared.secondary_tiers[0].locality is Locality.REMOTE  # a disk on a network share
+    finally:
+        shared.shutdown()
