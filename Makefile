@@ -60,7 +60,7 @@ $(CPU_VENV)/.installed: pyproject.toml constraints.txt
 	$(CPU_PIP) -e '.[test,mooncake,bench]'
 	touch $@
 
-# SGLang is test-only too (tests/sglang/test_with_sglang.py: its storage backend factory). Its
+# SGLang is test-only too (tests/sglang/: its backend factory, cache controller and pools). Its
 # wheel goes in without the resolver (its requirements want CUDA builds), into the CPU venv,
 # where vLLM's CPU build brought the triton SGLang imports.
 $(CPU_VENV)/.installed-sglang: $(CPU_VENV)/.installed tests/sglang/requirements.txt
