@@ -221,13 +221,3 @@ def test_a_file_system_smaller_than_the_tier_is_warned_of_at_open(tmp_path, capl
     caplog.clear()
     asyncio.run(fill_some(tmp_path / "roomy"))
     assert "the file system has room for" not in caplog.text
-
-
-def test_the_lock_file_gets_real_blocks_however_large_it_already_is(tmp_path):
-    lmdb_check.reserve_lock_file(str(tmp_path), 126)
-    lock = tmp_path / lmdb_check.LOCK_FILE
-    assert lock.stat().st_size == 8192 and lock.stat().st_blocks * 512 >= 8192
-    os.truncate(lock, 64 << 10)  # sparse, as LMDB's ftruncate leaves it: a hole to fault on
-    assert lock.stat().st_blocks * 512 < 64 << 10
-    lmdb_check.reserve_lock_file(str(tmp_path), 126)
-    assert lock.stat().st_blocks * 512 >= 64 << 10
