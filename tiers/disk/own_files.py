@@ -78,6 +78,8 @@ def open_own_file(directory: str, name: str, flags: int) -> int:
                 "link in its directory (remove it; to keep the files elsewhere, point the tier's "
                 "path at that directory)"
             ) from None
+        if exc.errno == errno.ENXIO:  # a FIFO no one reads, or a device without one
+            raise TierError(f"disk tier at {directory!r}: {path!r} is not a regular file") from None
         raise TierError(f"disk tier at {directory!r}: cannot open {path!r}: {exc}") from exc
     try:
         _check_own(fd, directory, path)
