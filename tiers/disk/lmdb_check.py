@@ -18,10 +18,11 @@ there passed the other checks and then failed later commits, up to every one); `
 a child process open the file read-only and read every index entry, so a signal there kills
 the child, not the caller. Any problem makes the store set the file aside and start an
 empty index (the disk tier is a cache: losing it costs misses). Measured cost at open: the
-header check ~0.1 ms; the free-list walk well under a millisecond for the list of a
-20,000-row index (a dozen pages; it grows with the pages freed, not with the rows); the
-walk a Python start plus one read of the index, 0.25 s for an index of 1,000,000 rows
-(146 MiB, in the page cache), where the tier's own load of it takes 0.21 s.
+header check ~0.1 ms; the free-list walk 0.5 ms for the list of a 20,000-row index after
+churn, 27 ms for the worst case of a 1,000,000-row index freed whole (it grows with the
+pages free, not with the rows); the walk a Python start plus one read of the index, 0.25 s
+for an index of 1,000,000 rows (146 MiB, in the page cache), where the tier's own load of
+it takes 0.21 s.
 
 The store runs LMDB without its lock file (``lock=False``), so the shared, writable map of
 ``lock.mdb`` (created sparse, written through the map: SIGBUS on a full file system) is
