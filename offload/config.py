@@ -81,6 +81,32 @@ class ConfigError(ValueError):
 
 
 TIER_KINDS = ("host", "disk", "remote", "mooncake")
+MAX_NESTING = 32
+"""Tables and lists nested deeper than this are refused: a real configuration nests 4
+deep (``tiers``, a tier, ``eviction_params``, a value), and a deeper one would only make
+what reads it recurse (``repr`` in an error message, ``deepcopy``) until ``RecursionError``."""
+_MAX_VALUES = 100_000  # nor is a configuration this large: it bounds the walk of check_nesting
+
+
+def check_nesting(data: Any, where: str) -> None:
+    """``ConfigError`` if ``data`` nests tables and lists deeper than ``MAX_NESTING`` (or holds
+    more than ``_MAX_VALUES`` values); walks level by level, so it never recurses itself."""
+    level = [data]
+    seen = 0
+    for _ in range(MAX_NESTING):
+        level = [
+            value
+            for item in level
+            if isinstance(item, Mapping | list | tuple)
+            for value in (item.values() if isinstance(item, Mapping) else item)
+        ]
+        seen += len(level)
+        if not level:
+            return
+        if seen > _MAX_VALUES:
+            raise ConfigError(f"{where}: more than {_MAX_VALUES} values; not a kvtier configuration")
+    if any(isinstance(item, Mapping | list | tuple) and item for item in level):
+        raise ConfigError(f"{where}: tables and lists nested more than {MAX_NESTING} deep")
 
 
 def parse_size(value: Any, where: str) -> int:
@@ -166,10 +192,15 @@ def read_toml(path: Path, key: str | None = None) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{what}: not valid TOML: {exc}") from exc
+    except RecursionError:  # tomllib recurses once per level of arrays and inline tables
+        raise ConfigError(
+            f"{what}: arrays or inline tables nested too deeply to read (past Python's recursion limit)"
+        ) from None
 
 
 def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
     """The whole configuration: the tiers (the host tier first, each kind once) and the namespace."""
+    check_nesting(data, "the configuration")
     if not isinstance(data, Mapping):
         raise ConfigError(f"the configuration = {data!r}: expected a table of 'tiers' and 'namespace'")
     _reject_unknown(data, {"tiers", "namespace"}, "")
@@ -200,6 +231,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
 def parse_tier(raw: Any, where: str) -> TierSettings:
     """One ``[[tiers]]`` table on its own (``where``, such as ``tiers[1]``, prefixes every
     error): the settings of its kind. Also what vLLM's secondary tiers are parsed with."""
+    check_nesting(raw, where)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} = {raw!r}: expected a table")
     kind = raw.get("kind")

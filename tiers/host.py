@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -110,8 +111,12 @@ class HostTier:
     ) -> None:
         """``sharers``: with ``shm_path``, how many mappings the file gets in all (the
         scheduler's and each worker's); the one that completes the count unlinks the file, so
-        nothing is left in ``/dev/shm`` however the processes exit later. ``None``: whoever
-        owns the file unlinks it at ``close(unlink=True)``."""
+        nothing is left in ``/dev/shm`` however the processes exit later. Until the count is
+        complete (some sharer never maps it: a manager built without workers, an engine that
+        fails to start), each process that mapped it removes the name when its tier is closed
+        or collected, or the process exits normally, if the name still holds the file it
+        mapped (``_remove_name``); only a process killed before every sharer mapped leaves it.
+        ``None``: whoever owns the file unlinks it at ``close(unlink=True)``."""
         if not row_bytes or any(size <= 0 for size in row_bytes):
             raise ValueError(f"row_bytes must be positive per group, got {list(row_bytes)}")
         bytes_per_slot = sum(row_bytes)
@@ -132,7 +137,7 @@ class HostTier:
         self.pinned = cuda_available() if pin is None else pin
         self.shm_path = shm_path
         try:
-            self.buffer, self.pinned = _allocate(
+            self.buffer, self.pinned, named = _allocate(
                 num_slots * bytes_per_slot, pinned=self.pinned, shm_path=shm_path, sharers=sharers
             )
         except (RuntimeError, MemoryError, OSError) as exc:  # torch's, CUDA's or the file's own
@@ -141,6 +146,12 @@ class HostTier:
                 f"{' pinned' if self.pinned else ''}{f' at {shm_path}' if shm_path else ''}: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from exc
+        # Removes the file's name at close, collection or a normal exit (``sharers``, above).
+        self._remove_name = (
+            weakref.finalize(self, _remove_name, shm_path, *named, os.getpid())
+            if named and shm_path
+            else None
+        )
         self.slabs: list[torch.Tensor] = []
         offset = 0
         for size in row_bytes:
@@ -171,7 +182,9 @@ class HostTier:
         """Drop this process's mapping; ``unlink`` also removes a shared-memory file (its owner does)."""
         self.slabs.clear()
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        if unlink and self.shm_path and os.path.exists(self.shm_path):
+        if self._remove_name is not None:
+            self._remove_name()  # once: a name still needed by sharers to come is not kept for them
+        elif unlink and self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
 
 
@@ -223,10 +236,12 @@ MAPPINGS_TRAILER = 4096
 
 def _allocate(
     nbytes: int, *, pinned: bool, shm_path: str | None, sharers: int | None = None
-) -> tuple[torch.Tensor, bool]:
-    """The tier's buffer, and whether it is pinned after all."""
+) -> tuple[torch.Tensor, bool, tuple[int, int] | None]:
+    """The tier's buffer, whether it is pinned after all, and, with ``sharers``, the
+    ``(device, inode)`` of the file while its name is still there (``None`` once removed)."""
+    named: tuple[int, int] | None = None
     if shm_path is None:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned, named
     # Several processes map the same file (the scheduler and each worker): grow it to size
     # if needed, never truncate what another process may already be using.
     fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -241,8 +256,9 @@ def _allocate(
                 f"{shm_path} holds {size} B, this host tier needs {file_bytes} B: another layout?"
             )
         buffer = torch.from_file(shm_path, shared=True, size=nbytes, dtype=torch.uint8)
-        if sharers is not None:
-            _count_mapping(fd, shm_path, nbytes, sharers)
+        if sharers is not None and not _count_mapping(fd, shm_path, nbytes, sharers):
+            st = os.fstat(fd)
+            named = (st.st_dev, st.st_ino)
     finally:
         os.close(fd)  # also releases the lock
     filesystem = _filesystem(shm_path) if pinned else ""
@@ -263,11 +279,12 @@ def _allocate(
         err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} B at {shm_path} failed: error {int(err)}")
-    return buffer, pinned
+    return buffer, pinned, named
 
 
-def _count_mapping(fd: int, shm_path: str, nbytes: int, sharers: int) -> None:
-    """Count this mapping in the file's trailer; the last of ``sharers`` unlinks the file.
+def _count_mapping(fd: int, shm_path: str, nbytes: int, sharers: int) -> bool:
+    """Count this mapping in the file's trailer; the last of ``sharers`` unlinks the file
+    (and is told ``True``).
 
     Once every process has mapped it, the name is no longer needed: the memory lives as long
     as some mapping does, and no exit, however abrupt, can leave it behind (vLLM's own shared
@@ -278,3 +295,21 @@ def _count_mapping(fd: int, shm_path: str, nbytes: int, sharers: int) -> None:
     if mapped >= sharers:
         os.unlink(shm_path)
         log.info("host tier: %s mapped by all %d processes; its name is removed", shm_path, sharers)
+        return True
+    return False
+
+
+def _remove_name(path: str, device: int, inode: int, pid: int) -> None:
+    """Unlink ``path`` if it still names the file this process mapped: not a file of the same
+    name made since (another engine's), and not from a forked child that inherited the hook."""
+    if os.getpid() != pid:
+        return
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == (device, inode):
+            os.unlink(path)
+            log.info("host tier: %s removed (not every sharer mapped it)", path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("host tier: cannot remove %s: %s", path, exc)

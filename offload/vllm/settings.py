@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offload.config import ConfigError, KVTierConfig, parse_config, parse_size, read_toml
+from offload.config import ConfigError, KVTierConfig, check_nesting, parse_config, parse_size, read_toml
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class SpecSettings:
     def from_extra_config(cls, extra: Mapping[str, Any], *, model: str) -> SpecSettings:
         """Parse ``extra`` (vLLM's ``kv_connector_extra_config``); ``model`` is the default
         namespace model id. Raises ``ConfigError`` naming the key and the value at fault."""
+        check_nesting(extra, "kv_connector_extra_config")
         unknown = sorted(set(extra) - VLLM_KEYS - IGNORED_CPU_SPEC_KEYS - KVTIER_KEYS)
         if unknown:
             log.warning(

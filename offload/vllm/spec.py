@@ -14,8 +14,10 @@ from the configuration alone (``canonical.HostLayout``), so spills and promotion
 the host tier and disk or peers happen in the scheduler process, next to the manager,
 and never travel through the connector. The file's name is removed as soon as the
 scheduler and every worker have mapped it (``HostTier(sharers=...)``), so nothing is left
-in ``shm_dir`` however the engine exits; until then the scheduler side removes it at
-shutdown. Keys settings in ``settings.py``.
+in ``shm_dir`` however the engine exits; until then (a manager whose workers never map it,
+an engine that fails to start) each process that mapped it removes the name when it shuts
+down, or exits normally without a shutdown; only a process killed before every sharer
+mapped it leaves the file. Keys settings in ``settings.py``.
 """
 
 from __future__ import annotations

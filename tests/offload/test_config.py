@@ -1,6 +1,6 @@
 import pytest
 
-from offload.config import ConfigError, load_config, parse_config, parse_size
+from offload.config import ConfigError, load_config, parse_config, parse_size, parse_tier
 
 GOOD = """
 [namespace]
@@ -287,3 +287,35 @@ def test_one_tier_table_parses_on_its_own_into_its_kinds_settings():
     assert disk == DiskSettings(capacity_bytes=1 << 30, path="/x", admission="seen-twice")
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.placement = 'x': expected one of"):
         parse_tier({"kind": "disk", "path": "/x", "capacity": 1, "placement": "x"}, "tiers[1]")
+
+
+def nested(depth: int) -> dict:
+    table: dict = {}
+    inner = table
+    for _ in range(depth):
+        inner["x"] = {}
+        inner = inner["x"]
+    return table
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[tiers]]\nkind = 'host'\ncapacity = '1GiB'\nx = " + "[" * 10_000 + "]" * 10_000,
+        "[[tiers]]\nkind = 'host'\ncapacity = '1GiB'\nx = " + "{a = " * 10_000 + "1" + "}" * 10_000,
+        "[" + ".".join(["a"] * 10_000) + "]\n",  # dotted keys: tomllib nests them without recursing
+    ],
+    ids=["arrays", "inline-tables", "table-header"],
+)
+def test_a_toml_nested_10000_deep_is_a_config_error_not_a_recursion_error(tmp_path, text):
+    path = tmp_path / "deep.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="nested"):
+        load_config(path)
+
+
+def test_a_table_nested_deeper_than_any_configuration_is_a_config_error():
+    with pytest.raises(ConfigError, match="nested more than 32 deep"):
+        load_config({"tiers": [{"kind": "host", "capacity": "1GiB", "eviction_params": nested(10_000)}]})
+    with pytest.raises(ConfigError, match=r"tiers\[1\]: tables and lists nested"):
+        parse_tier({"kind": "disk", "x": nested(40)}, "tiers[1]")  # vLLM's secondary tiers' way in

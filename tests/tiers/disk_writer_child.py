@@ -11,7 +11,8 @@ was committed before the kill.
 ``open PATH``: open a ``DiskTier`` at PATH (whose files a test has damaged), read every key
 back, and print one JSON line: ``{"outcome": "error", "message": ...}`` for a ``TierError``,
 else ``{"outcome": "opened", "rows": ..., "hits": ..., "wrong": ..., "stored": ...}`` (``wrong``:
-rows served that are not the row stored; ``stored``: of 5 new rows put after the reads). A
+rows served that are not the row stored; ``stored``: of 5 new rows put after the reads, in
+one batch). ``open PATH N``: the same with N new rows, each put in a commit of its own. A
 signal shows as the process's negative return code.
 
 Row contents are a function of the key alone (``expected_row``), so the parent can check
@@ -78,7 +79,7 @@ async def hold(path: str) -> None:
     await tier.close()
 
 
-async def open_and_read(path: str) -> None:
+async def open_and_read(path: str, commits: int = 0) -> None:
     tier = make_tier(path)
     try:
         await tier.open()
@@ -93,8 +94,13 @@ async def open_and_read(path: str) -> None:
             ok and bytes(dst) != expected_row(key) for (key, dst), ok in zip(dsts, found, strict=True)
         )
         rows = int(tier.stats()["rows"])
-        fresh = [key_of(KEYS + i) for i in range(5)]  # then the tier takes new rows (or drops them)
-        stored = sum(await tier.put([(key, memoryview(expected_row(key))) for key in fresh]))
+        fresh = [
+            key_of(KEYS + i) for i in range(commits or 5)
+        ]  # then the tier takes new rows (or drops them)
+        if commits:  # each row its own commit
+            stored = sum([sum(await tier.put([(key, memoryview(expected_row(key)))])) for key in fresh])
+        else:
+            stored = sum(await tier.put([(key, memoryview(expected_row(key))) for key in fresh]))
     finally:
         await tier.close()
     report = {"outcome": "opened", "rows": rows, "hits": sum(found), "wrong": wrong, "stored": stored}
@@ -107,7 +113,7 @@ def main(argv: list[str]) -> None:
     elif argv[0] == "hold":
         uvloop.run(hold(argv[1]))
     elif argv[0] == "open":
-        uvloop.run(open_and_read(argv[1]))
+        uvloop.run(open_and_read(argv[1], int(argv[2]) if len(argv) > 2 else 0))
     else:
         raise SystemExit(f"unknown mode {argv[0]!r}")
 

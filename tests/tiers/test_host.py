@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +109,32 @@ def test_an_allocation_that_fails_is_a_tier_error_naming_the_size(monkeypatch):
     monkeypatch.setattr(torch, "empty", refuse)
     with pytest.raises(TierError, match=r"host tier: cannot allocate 4096 B: DefaultCPUAllocator"):
         HostTier([4096], 4096, pin=False)
+
+
+def test_a_shared_file_not_every_sharer_mapped_is_removed_at_a_normal_exit(tmp_path):
+    """Issue 36: a process that mapped the file, whose other sharers never came, exits
+    without closing its tier: the name is gone all the same."""
+    path = tmp_path / "kvtier_lonely.mmap"
+    code = (
+        "import sys; from tiers.host import HostTier; "
+        "host = HostTier([64], 64 * 4, pin=False, shm_path=sys.argv[1], sharers=3); "
+        "import os; assert os.path.exists(sys.argv[1])"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=repo, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_closing_a_shared_tier_removes_only_the_file_it_mapped(tmp_path):
+    path = str(tmp_path / "kvtier_test.mmap")
+    host = HostTier([64], 64 * 4, pin=False, shm_path=path, sharers=3)
+    os.unlink(path)
+    with open(path, "wb") as other:  # another engine's file under the same name since
+        other.write(b"theirs")
+    host.close()
+    assert Path(path).read_bytes() == b"theirs"
+    os.unlink(path)
+    host = HostTier([64], 64 * 4, pin=False, shm_path=path, sharers=3)
+    host.close()  # a worker's close: the sharers to come are not waited for
+    assert not os.path.exists(path)

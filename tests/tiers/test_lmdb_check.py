@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from tests.tiers import disk_writer_child as child
@@ -31,11 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = 4096
 
 
-def open_in_child(path: Path) -> dict:
-    """What ``disk_writer_child open`` reports for ``path``; fails the test on a signal."""
+def open_in_child(path: Path, commits: int = 0) -> dict:
+    """What ``disk_writer_child open`` reports for ``path`` (``commits``: new rows put one
+    commit each, else 5 in one); fails the test on a signal."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    more = [str(commits)] if commits else []
     done = subprocess.run(
-        [sys.executable, "-m", "tests.tiers.disk_writer_child", "open", str(path)],
+        [sys.executable, "-m", "tests.tiers.disk_writer_child", "open", str(path), *more],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -115,12 +118,69 @@ def test_multiprocess_garbage_in_the_index_is_a_miss_or_an_empty_tier_never_a_si
                 for _ in range(3):
                     file.seek(rng.randrange(2 * PAGE, size))
                     file.write(rng.randbytes(rng.randrange(8, PAGE)))
-        report = open_in_child(data.parent)
+        report = open_in_child(data.parent, 64)
         assert report["outcome"] == "opened", report
         assert report["wrong"] == 0 and report["hits"] == report["rows"] <= child.KEYS, report
-        assert report["stored"] == 5, report  # and the tier goes on
+        assert report["stored"] == 64, report  # and the tier goes on: every later commit
         outcomes.append(report["rows"])
     assert outcomes[:2] == [0, 0]  # an unreadable header: set aside
+
+
+def free_list_root(data: Path) -> int:
+    """The root page of LMDB's free-page list, as the meta page LMDB uses names it."""
+    raw = data.read_bytes()
+    metas = [raw[n * PAGE : (n + 1) * PAGE] for n in (0, 1)]
+    meta = max(metas, key=lambda page: struct.unpack_from("<Q", page, 144)[0])  # the later txn id
+    return struct.unpack_from("<Q", meta, 80)[0]  # dbs[0] (the free list): its root
+
+
+@pytest.mark.multiprocess
+def test_multiprocess_garbage_in_the_free_page_list_is_set_aside_and_every_later_store_succeeds(
+    sound, tmp_path
+):
+    """Issue 36: garbage in the free-page list passed the header check and the walk (no read
+    reaches that tree), then failed the later commits that allocate pages: 56 of 64 stores
+    dropped in the issue's trial; this garbage killed the tier of before with SIGBUS."""
+    data = damaged_copy(sound, tmp_path / "t")
+    root = free_list_root(data)
+    assert 1 < root < data.stat().st_size // PAGE, "the sound index has a free-page list"
+    with open(data, "r+b") as file:
+        file.seek(root * PAGE + 16)  # the page's body, behind its header
+        file.write(random.Random(36).randbytes(PAGE // 2))
+    assert lmdb_check.header_problem(str(data)) is None  # what the checks before saw: sound
+    assert lmdb_check.walk_problem(str(data.parent), 3, [b"slots"]) is None
+    assert "free-page list" in (lmdb_check.free_list_problem(str(data)) or "")
+    report = open_in_child(data.parent, 64)
+    # The index is set aside: its rows are misses (never wrong), and every new row is stored.
+    assert report == {"outcome": "opened", "rows": 0, "hits": 0, "wrong": 0, "stored": 64}, report
+    assert (data.parent / f"{LMDB_FILE}.corrupt").exists()
+    assert lmdb_check.free_list_problem(str(data)) is None  # the new index's list is sound
+
+
+def test_the_free_page_list_of_a_sound_index_passes_however_large(tmp_path):
+    """Rows put and deleted over many commits: lists of one page, then of overflow pages (a
+    commit that frees more pages than one page can list), all sound."""
+    env = lmdb.open(str(tmp_path), map_size=256 << 20, max_dbs=3, lock=False)
+    try:
+        db = env.open_db(b"slots")
+        for step in range(6):
+            with env.begin(write=True, db=db) as txn:
+                for i in range(step * 10_000, (step + 1) * 10_000):
+                    txn.put(i.to_bytes(8, "big") * 6, bytes(40))
+            with env.begin(write=True, db=db) as txn:
+                for i in range(step * 10_000, step * 10_000 + 9_000, 2 + step % 3):
+                    txn.delete(i.to_bytes(8, "big") * 6)
+            env.sync(True)
+            assert lmdb_check.free_list_problem(str(tmp_path / LMDB_FILE)) is None, step
+        with env.begin(write=True) as txn:
+            txn.drop(db, delete=False)  # thousands of pages freed by one commit
+    finally:
+        env.close()
+    raw = (tmp_path / LMDB_FILE).read_bytes()
+    metas = [raw[n * PAGE : (n + 1) * PAGE] for n in (0, 1)]
+    meta = max(metas, key=lambda page: struct.unpack_from("<Q", page, 144)[0])
+    assert struct.unpack_from("<Q", meta, 64)[0] > 0  # the list has overflow pages
+    assert lmdb_check.free_list_problem(str(tmp_path / LMDB_FILE)) is None
 
 
 def test_a_meta_page_of_another_format_or_page_size_is_named(sound, tmp_path):
@@ -221,13 +281,3 @@ def test_a_file_system_smaller_than_the_tier_is_warned_of_at_open(tmp_path, capl
     caplog.clear()
     asyncio.run(fill_some(tmp_path / "roomy"))
     assert "the file system has room for" not in caplog.text
-
-
-def test_the_lock_file_gets_real_blocks_however_large_it_already_is(tmp_path):
-    lmdb_check.reserve_lock_file(str(tmp_path), 126)
-    lock = tmp_path / lmdb_check.LOCK_FILE
-    assert lock.stat().st_size == 8192 and lock.stat().st_blocks * 512 >= 8192
-    os.truncate(lock, 64 << 10)  # sparse, as LMDB's ftruncate leaves it: a hole to fault on
-    assert lock.stat().st_blocks * 512 < 64 << 10
-    lmdb_check.reserve_lock_file(str(tmp_path), 126)
-    assert lock.stat().st_blocks * 512 >= 64 << 10

@@ -91,3 +91,13 @@ def test_a_kvtier_config_file_is_read_by_offload_config(tmp_path):
     path.write_text("[[tiers]\n")
     with pytest.raises(ConfigError, match=r"kvtier_config = .*: not valid TOML"):
         parse(kvtier_config=str(path), cpu_bytes_to_use=1 << 30)
+
+
+def test_an_inline_config_nested_10000_deep_is_a_config_error():
+    deep: dict = {}
+    inner = deep
+    for _ in range(10_000):
+        inner["x"] = {}
+        inner = inner["x"]
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: tables and lists nested"):
+        parse(cpu_bytes_to_use=1 << 30, kvtier_config={"tiers": [{"kind": "host", "x": deep}]})

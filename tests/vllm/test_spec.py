@@ -7,6 +7,11 @@ model computed for it, in every layer of every group.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -203,3 +208,24 @@ def test_declared_metrics_cover_every_reported_name():
         "kvtier_row_bytes",
         "kvtier_blocks_per_chunk",
     )
+
+
+@pytest.mark.parametrize("shutdown", [True, False], ids=["shut-down", "never-shut-down"])
+def test_a_manager_whose_workers_never_map_the_host_file_leaves_nothing_at_exit(tmp_path, shutdown):
+    """Issue 36: the scheduler side built through vLLM's factory, no worker ever maps the shared
+    host file, and the process exits normally (with or without a shutdown): the shm dir is empty."""
+    code = (
+        "import os, sys; from bench.scheduler_driver import factory_manager; "
+        "manager = factory_manager(1000, 'lru', sys.argv[1]); "
+        "assert len(os.listdir(sys.argv[1])) == 1, 'the file waits for its workers'; "
+        + ("manager.shutdown()" if shutdown else "")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert os.listdir(tmp_path) == []

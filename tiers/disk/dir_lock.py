@@ -1,10 +1,12 @@
 """An exclusive, non-blocking lock on a directory, held for the life of one process's tier.
 
 The disk tier keeps its index in memory and trusts it (``may_contain`` is exact), which is
-only true while no other process writes the same LMDB file. LMDB itself allows many
-processes per file, so the tier takes a lock of its own: ``flock`` on a lock file, because
+only true while no other process writes the same LMDB file. The store opens LMDB without
+its own locking (``lock=False``: no ``lock.mdb``), so this lock is also what keeps a second
+process from writing the index at the same time: ``flock`` on a lock file, because
 the kernel drops it when the holder dies (a SIGKILLed process leaves no stale lock to clean
-up), and a second open of the same path, even in the same process, is refused.
+up), and a second open of the same path, even in the same process, is refused. The lock
+file is opened as the tier's other files are (``own_files``): never through a link.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import fcntl
 import os
 
 from tiers.base import TierError
+from tiers.disk.own_files import open_own_file
 
 LOCK_NAME = "kvtier.lock"
 
@@ -31,12 +34,7 @@ class DirLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise TierError(
-                f"disk tier at {self.directory!r}: cannot create lock file {self.path!r}: {exc}"
-            ) from exc
+        fd = open_own_file(self.directory, LOCK_NAME, os.O_RDWR)  # never through a link
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

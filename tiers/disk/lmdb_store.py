@@ -61,7 +61,7 @@ import xxhash
 
 from tiers.base import TierError
 from tiers.buffer_address import buffer_address
-from tiers.disk import lmdb_check
+from tiers.disk import lmdb_check, own_files
 from tiers.disk.page_allocator import PageAllocator, Run
 from tiers.fast_checksum import checksum_at
 from tiers.row_format import HEADER_BYTES, VERSION, RowHeader
@@ -81,7 +81,6 @@ _RUN = struct.Struct("<QI")  # first page, page count
 _NODE_BYTES = 8 + 2  # LMDB's node header and its slot in the page's index
 _OLD_DBS = (b"rows", b"index")  # the format that kept rows inside LMDB
 _MAX_DBS = len(_OLD_DBS) + 1
-_MAX_READERS = 126  # with LMDB's lock header, a lock file of two 4 KiB pages
 _ZEROS = bytes(PAGE)
 READ_PIECE_BYTES = 8 << 20
 """About what one coalesced ``preadv`` reads (``LmdbStore.read_into``): a piece takes rows
@@ -205,19 +204,23 @@ class LmdbStore:
     def open(self) -> None:
         """Open (or create) the index and the rows file; ``TierError`` if they cannot be used.
 
-        A damaged index (``lmdb_check``: cut short, garbage, refused by LMDB) is set aside as
-        ``data.mdb.corrupt`` and the tier starts empty, with a warning: it is a cache, and
-        mapping a damaged file would kill the process with SIGBUS. A file system with no room
-        for LMDB's lock file is a ``TierError`` (LMDB would fault writing it through its map).
+        Every file is opened as ``own_files`` has it: created ``0600``, never through a
+        symbolic link, only this user's own (a ``TierError`` naming the file otherwise, and
+        nothing written). ``data.mdb`` is made or checked that way before LMDB opens it by
+        name, and after, that the name still holds the file checked. LMDB runs without its
+        own lock file (``lock=False``): the directory lock (``DirLock``) keeps every other
+        process out, and in this process only the writer thread calls LMDB, so its reader
+        table had nothing to guard; without it there is no ``lock.mdb`` to reach through a
+        link, nor one written through a shared map on a full disk (a SIGBUS).
+
+        A damaged index (``lmdb_check``: cut short, garbage in a tree or in the free-page
+        list, refused by LMDB) is set aside as ``data.mdb.corrupt`` and the tier starts
+        empty, with a warning: it is a cache, mapping a damaged file would kill the process
+        with SIGBUS, and a damaged free-page list fails every later commit.
         """
-        try:
-            lmdb_check.reserve_lock_file(self.path, _MAX_READERS)
-        except OSError as exc:
-            raise TierError(
-                f"disk tier at {self.path!r}: cannot reserve LMDB's lock file: {exc}"
-                + (" (the file system is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-            ) from exc
+        os.close(own_files.open_own_file(self.path, LMDB_FILE, os.O_RDONLY))
         self._set_aside_if_damaged()
+        data_fd = own_files.open_own_file(self.path, LMDB_FILE, os.O_RDONLY)  # a new one if set aside
         try:
             self._env = lmdb.open(
                 self.path,
@@ -226,29 +229,33 @@ class LmdbStore:
                 sync=self.sync,
                 metasync=self.sync,
                 max_dbs=_MAX_DBS,
-                max_readers=_MAX_READERS,
+                lock=False,
+                mode=own_files.FILE_MODE,
             )
+            if not own_files.same_file(data_fd, os.path.join(self.path, LMDB_FILE)):
+                raise TierError(f"disk tier at {self.path!r}: {LMDB_FILE} was replaced while it was opened")
             self._drop_old_format()
             self._db = self._env.open_db(INDEX_DB)
         except lmdb.Error as exc:
             self.close()
             raise TierError(f"disk tier at {self.path!r}: cannot open LMDB environment: {exc}") from exc
-        stale = self._env.reader_check()  # reader slots of dead processes (a SIGKILLed tier)
-        if stale:
-            log.info("disk tier at %s: cleared %d stale LMDB reader slots", self.path, stale)
-        rows_path = os.path.join(self.path, ROWS_FILE)
-        try:
-            self._fd = os.open(rows_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
+        except BaseException:
             self.close()
-            raise TierError(f"disk tier at {self.path!r}: cannot open {rows_path!r}: {exc}") from exc
+            raise
+        finally:
+            os.close(data_fd)
+        try:
+            self._fd = own_files.open_own_file(self.path, ROWS_FILE, os.O_WRONLY)
+        except BaseException:
+            self.close()
+            raise
         self._load()
 
     def _set_aside_if_damaged(self) -> None:
         """Move a damaged ``data.mdb`` to ``data.mdb.corrupt`` (replacing an older one)."""
         data = os.path.join(self.path, LMDB_FILE)
         try:
-            problem = lmdb_check.header_problem(data)
+            problem = lmdb_check.header_problem(data) or lmdb_check.free_list_problem(data)
             if problem is None and os.path.exists(data) and os.path.getsize(data):
                 problem = lmdb_check.walk_problem(self.path, _MAX_DBS, [INDEX_DB, *_OLD_DBS])
         except lmdb_check.CheckNotRun as exc:
@@ -553,7 +560,12 @@ class LmdbStore:
         """This thread's read-only descriptor of the rows file, opened on first use."""
         fd = getattr(self._read_fds, "fd", None)
         if fd is None:
-            fd = os.open(os.path.join(self.path, ROWS_FILE), os.O_RDONLY | os.O_CLOEXEC)
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # no link, no FIFO hang
+            fd = os.open(os.path.join(self.path, ROWS_FILE), flags)
+            held, opened = os.fstat(self._fd_or_raise()), os.fstat(fd)
+            if (held.st_dev, held.st_ino) != (opened.st_dev, opened.st_ino):
+                os.close(fd)  # the name no longer holds the rows file: a read error (a miss)
+                raise OSError(errno.ESTALE, f"{ROWS_FILE} was replaced since the tier opened it")
             self._read_fds.fd = fd
             with self._lock:
                 self._all_read_fds.append(fd)

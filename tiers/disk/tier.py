@@ -40,6 +40,11 @@ policy is re-populated in insertion order (hits are not persisted: that would co
 per hit). A damaged index (cut short, garbage) is set aside and the tier starts empty with a
 warning; a file system too full to start LMDB is a ``TierError``; neither is ever a signal
 (``lmdb_check``). A file system with less room than the files' limit is warned of at open.
+
+Privacy (``own_files``): the directory is created ``0700`` and the files ``0600``; no file
+in the directory is opened through a symbolic link, nor written if another user owns it
+or it has another link (each a ``TierError`` at open naming the file); an existing
+directory open to others is warned of.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import lmdb
 
 from policies import make_policy
 from tiers.base import LowerTier, Row, TierError, TierStats
+from tiers.disk import own_files
 from tiers.disk.dir_lock import DirLock
 from tiers.disk.index import DiskIndex
 from tiers.disk.lmdb_store import DATA_FILES, LmdbStore, Read, ReadOutcome, entry_bytes
@@ -195,10 +201,7 @@ class DiskTier(LowerTier):
             raise
 
     def _open_blocking(self) -> None:
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except OSError as exc:
-            raise TierError(f"disk tier at {self.path!r}: cannot create the directory: {exc}") from exc
+        own_files.make_private_dir(self.path)
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise TierError(f"disk tier at {self.path!r}: the directory is not writable by this process")
         self._dir_lock.acquire()
@@ -251,7 +254,7 @@ class DiskTier(LowerTier):
         try:
             fs = os.statvfs(self.path)
             held = sum(
-                os.stat(os.path.join(self.path, name)).st_blocks * 512
+                os.lstat(os.path.join(self.path, name)).st_blocks * 512
                 for name in os.listdir(self.path)
                 if name in DATA_FILES
             )
