@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,10 +137,19 @@ def test_a_file_of_another_user_is_never_written(tmp_path, name):
 
 
 def test_a_fifo_planted_as_the_rows_file_is_refused_without_hanging(tmp_path):
+    """Opened on a thread with a deadline: a tier that opened the FIFO would block there (for
+    a writer that never comes), and the test must fail, not hang the suite."""
     tier_dir = tmp_path / "tier"
     tier_dir.mkdir()
     os.mkfifo(tier_dir / ROWS_FILE)
-    assert "not a regular file" in open_refused(tier_dir)
+    outcome: list[str] = []
+    opener = threading.Thread(target=lambda: outcome.append(open_refused(tier_dir)), daemon=True)
+    opener.start()
+    opener.join(20.0)
+    if opener.is_alive():
+        os.close(os.open(tier_dir / ROWS_FILE, os.O_RDWR | os.O_NONBLOCK))  # release a blocked open
+        pytest.fail("opening the tier blocked on the FIFO")
+    assert outcome and "not a regular file" in outcome[0]
 
 
 def test_the_tier_creates_a_private_directory_and_private_files(tmp_path):
