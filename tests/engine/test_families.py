@@ -55,6 +55,9 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "deepseek-v2-mla": (16, blocks(16)),
 }
 MLA = {"deepseek-v2-mla"}
+NOT_DESCRIBED = {"qwen3-next": "MambaSpec", "nemotron-h": "MambaSpec", "deepseek-v2-mla": "MLAAttentionSpec"}
+"""Families whose rows no ``RowLayout`` describes (``offload/vllm/row_layout.py``): they are
+keyed by the engine's configuration fingerprint, never converted for other engines."""
 MLA_LOGPROB_TOLERANCE = 0.5
 """How far an MLA load's logprobs may sit from the cold run's (measured: up to 0.17 on the
 first token, the one computed on the decode path; the tokens are equal)."""
@@ -116,3 +119,37 @@ def test_a_family_comes_back_exact_from_the_host_then_the_disk_tier(
     assert engine.kvtier_stats()["loaded_rows_by_tier"] == {"host": rows, "disk": rows}
     other = engine.generate([OTHER])[0]
     assert other.tokens != reference.tokens
+    log = engine.log_path.read_text(errors="replace")
+    if name in NOT_DESCRIBED:
+        assert "fingerprint only: " in log and NOT_DESCRIBED[name] in log
+    else:
+        assert "described: rows of other layouts convert" in log
+
+
+@pytest.mark.parametrize("name", ["qwen3-next", "nemotron-h"])
+def test_attention_rows_without_their_state_row_are_a_miss_for_the_whole_prefix(
+    name, make_engine, families_dir
+):
+    """A hybrid's prefix is its attention rows and the recurrent state at the prefix's end.
+    With the state row gone from kvtier (the host tier alone: nothing below to promote it
+    from) and every attention row still there, vLLM finds no position to resume from: the
+    whole prefix is recomputed and the output is the cold run's, never a load of attention
+    rows over a missing state."""
+    family = FAMILIES[name]
+    engine = make_engine(
+        model_dir=str(write_family(families_dir, family)), max_model_len=MAX_MODEL_LEN, **family.engine
+    )
+    cold = engine.generate([DOC])[0]
+    engine.generate([DOC])  # from the device cache
+    assert engine.reset_prefix_cache()
+    stats = engine.kvtier_stats()
+    _block, rows = EXPECTED[name]
+    assert stats["host_rows"] == rows
+
+    assert engine.drop_rows("MambaSpec") == 1  # the state row; the attention rows stay
+
+    assert engine.kvtier_stats()["host_rows"] == rows - 1
+    again = engine.generate([DOC])[0]
+    assert again.num_cached_tokens == 0 and again.external_cached_tokens == 0
+    assert_exact(again, cold)
+    assert engine.kvtier_stats()["loaded_rows_by_tier"] == {}
