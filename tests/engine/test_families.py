@@ -32,7 +32,13 @@ import pytest
 
 from bench.tiny_families import FAMILIES, SLIDING_WINDOW, write_family
 from tests.engine.conftest import document
-from tests.engine.test_real_engine import assert_exact, lower_tier_config, wait_spilled
+from tests.engine.test_real_engine import (  # noqa: F401 (mooncake_master: a fixture)
+    assert_exact,
+    chain,
+    lower_tier_config,
+    mooncake_master,
+    wait_spilled,
+)
 
 DOC = document(1, 450)  # no family's block size divides it: the last partial block stays computed
 OTHER = document(2, 450)
@@ -63,16 +69,26 @@ MLA_LOGPROB_TOLERANCE = 0.5
 first token, the one computed on the decode path; the tokens are equal)."""
 
 
+@pytest.fixture
+def peer(tmp_path: Path):
+    """A ``kvtier peer`` whose rows take the largest family's (Qwen3-Next: 144 KiB a block)."""
+    from tests.tiers.peer_fixtures import start_peers
+
+    (process,) = start_peers(tmp_path, capacity="128MiB", row_bytes="256KiB")
+    yield process
+    process.close()
+
+
 @pytest.fixture(scope="session")
 def families_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("families")
 
 
-def start(name: str, make_engine: Any, families_dir: Path, tmp_path: Path) -> Any:
+def start(name: str, make_engine: Any, families_dir: Path, kvtier_config: Any) -> Any:
     family = FAMILIES[name]
     return make_engine(
         model_dir=str(write_family(families_dir, family)),
-        kvtier_config=lower_tier_config("disk", tmp_path),
+        kvtier_config=kvtier_config,
         max_model_len=MAX_MODEL_LEN,
         **family.engine,
     )
@@ -91,7 +107,7 @@ def test_a_family_comes_back_exact_from_the_host_then_the_disk_tier(
 ):
     block, rows = EXPECTED[name]
     prefix = blocks(block) * block
-    engine = start(name, make_engine, families_dir, tmp_path)
+    engine = start(name, make_engine, families_dir, lower_tier_config("disk", tmp_path))
 
     cold = engine.generate([DOC])[0]
     assert cold.num_cached_tokens == 0
@@ -153,3 +169,38 @@ def test_attention_rows_without_their_state_row_are_a_miss_for_the_whole_prefix(
     assert again.num_cached_tokens == 0 and again.external_cached_tokens == 0
     assert_exact(again, cold)
     assert engine.kvtier_stats()["loaded_rows_by_tier"] == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("qwen3-next", "remote"),
+        ("qwen3-next", "mooncake"),
+        ("nemotron-h", "remote"),  # its state rows travel as Qwen3-Next's do: Mooncake once is enough
+        ("deepseek-v2-mla", "remote"),
+        ("deepseek-v2-mla", "mooncake"),
+    ],
+)
+def test_a_family_comes_back_exact_from_a_peer_or_mooncake(
+    name, kind, make_engine, families_dir, tmp_path, request
+):
+    """The families whose rows are not K and V heads (recurrent states, MLA latents), over
+    the network: a real ``kvtier peer`` (NIXL) or a Mooncake Store, written through. (MoE
+    and Gemma-2 rows are attention rows, as the dense Llama's test_real_engine sends.)"""
+    block, rows = EXPECTED[name]
+    prefix = blocks(block) * block
+    engine = start(name, make_engine, families_dir, chain(kind, tmp_path, request))
+    cold = engine.generate([DOC])[0]
+    reference = engine.generate([DOC])[0]  # the device cache's; for MLA kvtier's host tier's
+    if name in MLA:
+        assert_close(reference, cold)
+    else:
+        assert reference.external_cached_tokens == 0
+    wait_spilled(engine, engine.kvtier_stats()["stored_rows"])
+    assert engine.reset_prefix_cache(connector=True)
+
+    again = engine.generate([DOC])[0]
+
+    assert again.external_cached_tokens == prefix
+    assert_exact(again, reference)
+    assert engine.kvtier_stats()["loaded_rows_by_tier"].get(kind) == rows
