@@ -3,7 +3,8 @@
 One per family whose KV cache kvtier must carry differently from a dense Llama's: MoE
 (``qwen3_moe``: the same attention, other MLPs), sliding-window and global layers
 (``gemma2``: two KV groups), a gated delta-net hybrid (``qwen3_next``: attention rows and
-recurrent-state rows), and MLA (``deepseek_v2``: one latent row per token, no heads).
+recurrent-state rows), Mamba-2 hybrids (``nemotron_h``, ``granitemoehybrid``: the same with
+Mamba-2 states), and MLA (``deepseek_v2``: one latent row per token, no heads).
 
 Sizes are the smallest vLLM's CPU engine (0.32) runs: hidden 256, 2-4 layers. Where its
 kernels want more, the family says so: the CPU gated-delta-net kernels take 128-wide heads
@@ -153,6 +154,28 @@ FAMILIES: dict[str, Family] = {
             # vLLM sets this model's blocks to 160 tokens; a prefill step of one block at most
             # keeps every step to one SSD chunk, the only case the CPU kernel gets right.
             engine={"max_num_batched_tokens": 160},
+        ),
+        Family(
+            "granite-4-h",
+            "granitemoehybrid",
+            {
+                "num_hidden_layers": 2,  # a Mamba-2 layer, then an attention layer
+                "layer_types": ["mamba", "attention"],
+                "num_key_value_heads": 2,
+                "mamba_n_heads": 8,
+                "mamba_d_head": 32,
+                "mamba_n_groups": 1,
+                "mamba_d_state": 64,
+                "mamba_expand": 1,
+                "mamba_d_conv": 4,
+                "mamba_chunk_size": 1024,  # as Nemotron-H's: one SSD chunk per prefill step
+                "intermediate_size": 512,
+                "shared_intermediate_size": 512,
+                "num_local_experts": 0,
+                "position_embedding_type": "rope",
+                "tie_word_embeddings": True,
+            },
+            engine={"max_num_batched_tokens": 160},  # vLLM's block for it, as Nemotron-H's
         ),
     )
 }

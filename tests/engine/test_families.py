@@ -14,7 +14,8 @@ The families and what kvtier carries for each (rows per block and KV group):
 - ``gemma2``: sliding-window and global layers (two groups; the sliding group's window only);
 - ``qwen3-next``: gated delta-net layers and attention (an attention group and a recurrent
   state group: vLLM sets 288-token blocks so both groups' pages are equal);
-- ``nemotron-h``: Mamba-2 layers and attention (the same, with 160-token blocks);
+- ``nemotron-h``, ``granite-4-h``: Mamba-2 layers and attention (the same, with 160-token
+  blocks);
 - ``deepseek-v2-mla``: MLA, one 576-wide latent per token and layer. vLLM's CPU engine turns
   its own prefix cache off for MLA, so kvtier is the only prefix cache there, and the
   reference is the cold run: the same greedy tokens, but logprobs only close, since vLLM
@@ -58,10 +59,16 @@ EXPECTED: dict[str, tuple[int, int]] = {
     # the attention group's blocks, and the recurrent state at the prefix's end only
     "qwen3-next": (288, blocks(288) + 1),
     "nemotron-h": (160, blocks(160) + 1),
+    "granite-4-h": (160, blocks(160) + 1),
     "deepseek-v2-mla": (16, blocks(16)),
 }
 MLA = {"deepseek-v2-mla"}
-NOT_DESCRIBED = {"qwen3-next": "MambaSpec", "nemotron-h": "MambaSpec", "deepseek-v2-mla": "MLAAttentionSpec"}
+NOT_DESCRIBED = {
+    "qwen3-next": "MambaSpec",
+    "nemotron-h": "MambaSpec",
+    "granite-4-h": "MambaSpec",
+    "deepseek-v2-mla": "MLAAttentionSpec",
+}
 """Families whose rows no ``RowLayout`` describes (``offload/vllm/row_layout.py``): they are
 keyed by the engine's configuration fingerprint, never converted for other engines."""
 MLA_LOGPROB_TOLERANCE = 0.5
