@@ -170,3 +170,34 @@ def test_attention_only_models_are_still_described():
         ModelShape.from_hf_config(hf),
     )
     assert layout is not None, why
+
+
+def test_the_spec_built_for_a_hybrid_model_keys_its_rows_by_fingerprint_and_says_why(tmp_path, caplog):
+    """Built as vLLM builds it (``OffloadingConfig`` of an engine serving Qwen3-Next, whose
+    ``config.json`` says which layers are gated delta-nets): no row layout, and the start
+    log names the layer and vLLM's spec type."""
+    import json
+    import logging
+
+    from offload.vllm.spec import KVTierOffloadingSpec
+
+    model = tmp_path / "qwen3-next"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {**HF_BASE, "model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}
+        )
+    )
+    cfg = hybrid_config(HYBRID_LAYERS)
+    cfg = OffloadingConfig(
+        **{
+            **cfg.__dict__,
+            "model": OffloadingModelConfig(str(model), "float16"),
+            "extra_config": {"cpu_bytes_to_use": 1 << 20, "shm_dir": str(tmp_path)},
+        }
+    )
+    with caplog.at_level(logging.INFO, logger="offload.vllm.spec"):
+        spec = KVTierOffloadingSpec(cfg)
+    assert spec.row_layout is None
+    assert "layer model.layers.0.linear_attn is a 'linear_attention' layer" in caplog.text
+    assert "MambaSpec" in caplog.text
