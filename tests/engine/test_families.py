@@ -86,6 +86,14 @@ def peer(tmp_path: Path):
     process.close()
 
 
+@pytest.fixture
+def network_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any] | None:
+    """kvtier's configuration with a peer or a Mooncake Store below the host tier. A test
+    asks for it before ``make_engine``, so its engine is closed before the peer or the
+    master stops (closed after, the Mooncake client retries a gone master for ~20 s)."""
+    return chain(kind, tmp_path, request)
+
+
 @pytest.fixture(scope="session")
 def families_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("families")
@@ -189,14 +197,14 @@ def test_attention_rows_without_their_state_row_are_a_miss_for_the_whole_prefix(
     ],
 )
 def test_a_family_comes_back_exact_from_a_peer_or_mooncake(
-    name, kind, make_engine, families_dir, tmp_path, request
+    name, kind, network_config, make_engine, families_dir
 ):
     """The families whose rows are not K and V heads (recurrent states, MLA latents), over
     the network: a real ``kvtier peer`` (NIXL) or a Mooncake Store, written through. (MoE
     and Gemma-2 rows are attention rows, as the dense Llama's test_real_engine sends.)"""
     block, rows = EXPECTED[name]
     prefix = blocks(block) * block
-    engine = start(name, make_engine, families_dir, chain(kind, tmp_path, request))
+    engine = start(name, make_engine, families_dir, network_config)
     cold = engine.generate([DOC])[0]
     reference = engine.generate([DOC])[0]  # the device cache's; for MLA kvtier's host tier's
     if name in MLA:
