@@ -19,8 +19,9 @@ The families and what kvtier carries for each (rows per block and KV group):
 - ``deepseek-v2-mla``: MLA, one 576-wide latent per token and layer. vLLM's CPU engine turns
   its own prefix cache off for MLA, so kvtier is the only prefix cache there, and the
   reference is the cold run: the same greedy tokens, but logprobs only close, since vLLM
-  computes a prompt's last token on another path (decode, absorbed weights) when the rest
-  was loaded. Disk loads are then checked bit for bit against host loads.
+  computes the prompt's last tokens on another path when the rest was loaded (attention
+  over the cached latents, not one prefill over the whole prompt). Disk loads are then
+  checked bit for bit against host loads.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ NOT_DESCRIBED = {
 """Families whose rows no ``RowLayout`` describes (``offload/vllm/row_layout.py``): they are
 keyed by the engine's configuration fingerprint, never converted for other engines."""
 MLA_LOGPROB_TOLERANCE = 0.5
-"""How far an MLA load's logprobs may sit from the cold run's (measured: up to 0.17 on the
-first token, the one computed on the decode path; the tokens are equal)."""
+"""How far an MLA load's logprobs may sit from the cold run's (measured: up to 0.17, on the
+first token; the tokens are equal)."""
 
 
 @pytest.fixture
