@@ -428,10 +428,9 @@ class _Child:
             raise ValueError("drop_rows: the engine runs without kvtier")
         manager = adapter.manager
         vllm_groups = self.scheduler.kv_cache_config.kv_cache_groups
-        group_ids = adapter._to_group_id or list(range(manager.num_groups))
         wanted = {
             index
-            for index, group_id in enumerate(group_ids)
+            for index, group_id in enumerate(adapter.group_ids)
             if any(cls.__name__ == spec_type for cls in type(vllm_groups[group_id].kv_cache_spec).__mro__)
         }
         with adapter.lock:
