@@ -13,7 +13,8 @@ writes one); prompts are token ids, and there is no tokenizer.
 Commands (``EngineProcess`` methods): ``generate`` (greedy, with the sampled tokens'
 logprobs), ``timed`` (requests arriving on a schedule, with their time to first token),
 ``reset_prefix_cache``, ``kvtier_stats``, ``remote_owners`` (which peer holds each block of
-a prompt), ``shutdown``.
+a prompt), ``drop_rows`` (forget kvtier's host rows of one kind of KV group: the tests' way
+to take a hybrid's state rows away from its attention rows), ``shutdown``.
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ class EngineProcess:
         address or None) and whether the remote tier knows it holds it (``known``); and the
         peers up (``peers_up``). Needs kvtier with a remote tier."""
         return self.call({"op": "remote_owners", "prompt": prompt})
+
+    def drop_rows(self, spec_type: str) -> int:
+        """Forget kvtier's host rows of the KV groups whose vLLM spec is a ``spec_type``
+        (``"MambaSpec"``: a hybrid's recurrent states); the number of rows dropped."""
+        return int(self.call({"op": "drop_rows", "spec_type": spec_type})["dropped"])
 
     def call(self, command: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         self._send(command)
@@ -412,6 +418,26 @@ class _Child:
                 "peers_up": remote.peers_up(),
             }
 
+    def drop_rows(self, spec_type: str) -> dict[str, Any]:
+        """Forget the host rows of every group whose ``KVCacheSpec`` is a ``spec_type`` (by class
+        name, subclasses included), as if evicted; the host tier's other rows stay."""
+        from offload.keys import key_group
+
+        adapter = self.kvtier_manager()
+        if adapter is None or not hasattr(adapter, "manager"):
+            raise ValueError("drop_rows: the engine runs without kvtier")
+        manager = adapter.manager
+        vllm_groups = self.scheduler.kv_cache_config.kv_cache_groups
+        wanted = {
+            index
+            for index, group_id in enumerate(adapter.group_ids)
+            if any(cls.__name__ == spec_type for cls in type(vllm_groups[group_id].kv_cache_spec).__mro__)
+        }
+        with adapter.lock:
+            manager.poll()
+            dropped = manager.discard([key for key in manager.held_keys() if key_group(key) in wanted])
+        return {"dropped": dropped, "groups": sorted(wanted)}
+
     # -- helpers -----------------------------------------------------------------------
 
     def _next_id(self) -> str:
@@ -476,6 +502,8 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                 answer(child.kvtier_stats())
             elif op == "remote_owners":
                 answer(child.remote_owners(command["prompt"]))
+            elif op == "drop_rows":
+                answer(child.drop_rows(command["spec_type"]))
             else:
                 answer({"error": f"unknown command {op!r}"})
         except Exception as exc:  # the parent gets the error; the engine stays up when it can

@@ -622,6 +622,18 @@ class HostTierManager:
         self.lower.forget_failures()  # every key may be promoted again
         return True
 
+    def discard(self, keys: Iterable[OffloadKey]) -> int:
+        """Forget these host rows as if evicted (removal events included); rows pinned,
+        read or not yet readable stay, and so do lower tiers' copies. The number forgotten."""
+        busy = (self._pins, self._readers, self._unready)
+        victims = [
+            key for key in dict.fromkeys(keys) if key in self._slots and not any(key in b for b in busy)
+        ]
+        for key in victims:
+            self._policies[key_group(key)].on_remove(key)
+        self._drop_many(victims)
+        return len(victims)
+
     def poll(self) -> None:
         """Send queued promotions and checks below, and apply finished lower-tier work."""
         self._drop_refused(self.lower.send())
@@ -674,6 +686,10 @@ class HostTierManager:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def held_keys(self) -> list[OffloadKey]:
+        """The keys of the host rows held now (readable or not)."""
+        return list(self._slots)
 
     def num_free_slots(self, group: int) -> int:
         return self._allocators[group].num_free

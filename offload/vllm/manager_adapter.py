@@ -104,6 +104,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self.host = host
         self.row_bytes = row_bytes
         self.enable_events = enable_events
+        self.group_ids = list(group_ids)  # vLLM's KV group id of each of kvtier's groups, in order
         identity = list(group_ids) == list(range(len(group_ids)))
         self._to_index = None if identity else {gid: i for i, gid in enumerate(group_ids)}
         self._to_group_id = None if identity else list(group_ids)

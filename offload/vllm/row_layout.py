@@ -31,7 +31,10 @@ The two readings have other logical shapes, so they never share rows.
 The description is refused (``None``, with the reason logged) wherever the bytes vLLM
 reports do not equal what that shape predicts: several workers' bands in a row (tensor or
 pipeline parallel), padded pages, MLA or quantised caches, layouts with heads outside the
-block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read. Such engines
+block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read. It is refused
+too, before any byte count, for a model whose ``config.json`` has recurrent layers (Mamba,
+gated delta-net: vLLM pads their state pages to the attention page's size, so the bytes
+match while the meaning does not) or an MLA latent (``kv_lora_rank``). Such engines
 keep the configuration fingerprint and share rows only with identically configured ones.
 """
 
@@ -39,7 +42,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +73,45 @@ DTYPE_BYTES = {
 }
 
 
+NO_KV_LAYER_TYPES = frozenset({"mlp", "moe", "-", "E"})
+"""Per-layer types (``layer_types``, ``layers_block_type``, ``hybrid_override_pattern``)
+of layers that keep no cache at all."""
+
+RECURRENT_KEY_PREFIXES = ("mamba_", "ssm_", "linear_num_", "linear_key_", "linear_value_")
+"""Config keys that say a model has recurrent layers when no per-layer type list names them."""
+
+
+def layer_index(layer_name: str) -> int | None:
+    """The decoder layer's index in a vLLM layer name (``model.layers.3.self_attn.attn``)."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", layer_name)
+    return int(match.group(1)) if match else None
+
+
+def _layer_types(config: dict[str, Any]) -> list[str] | None:
+    """Each decoder layer's type, where the config lists them (names vary by family)."""
+    for key in ("layer_types", "layers_block_type"):
+        value = config.get(key)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+    pattern = config.get("hybrid_override_pattern")  # Nemotron-H: M mamba, * attention, - mlp, E moe
+    if isinstance(pattern, str):
+        return ["mamba" if c == "M" else "attention" if c == "*" else c for c in pattern]
+    return None
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What of the model's attention shapes a KV page: per-layer KV heads and head sizes."""
+    """What of the model's attention shapes a KV page: per-layer KV heads and head sizes;
+    and what makes a page something else: recurrent layers, an MLA latent."""
 
     num_kv_heads: int
     head_size: int
     head_size_v: int
+    # layer index -> its type, for layers that keep a recurrent state (Mamba, gated delta-net)
+    recurrent_layers: dict[int, str] = field(default_factory=dict)
+    # every layer recurrent, or some, where the config has no per-layer list (e.g. Falcon-H1)
+    recurrent_model: str | None = None
+    mla_latent: int | None = None  # kv_lora_rank + qk_rope_head_dim: one latent per token and layer
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape | None:
@@ -90,7 +126,43 @@ class ModelShape:
         if not isinstance(kv_heads, int) or not isinstance(head_dim, int) or min(kv_heads, head_dim) < 1:
             return None
         head_dim_v = config.get("v_head_dim") or head_dim
-        return cls(kv_heads, head_dim, head_dim_v)
+        types = _layer_types(config) or []
+        recurrent = {
+            i: kind
+            for i, kind in enumerate(types)
+            if kind not in NO_KV_LAYER_TYPES and ("linear" in kind or "attention" not in kind)
+        }
+        recurrent_model = None
+        if not types:
+            keys = sorted(k for k in config if k.startswith(RECURRENT_KEY_PREFIXES))
+            recurrent_model = f"recurrent layers ({', '.join(keys[:3])} in config.json)" if keys else None
+        mla = None
+        if isinstance(config.get("kv_lora_rank"), int):
+            mla = config["kv_lora_rank"] + int(config.get("qk_rope_head_dim") or 0)
+        return cls(kv_heads, head_dim, head_dim_v, recurrent, recurrent_model, mla)
+
+    def refusal(self, config: OffloadingConfig) -> str | None:
+        """Why the groups' pages are not K and V heads (a recurrent state, an MLA latent),
+        naming the first such layer and vLLM's spec type for it; ``None`` if they are."""
+        for group in config.groups:
+            for name in group.layer_names:
+                index = layer_index(name)
+                kind = None if index is None else self.recurrent_layers.get(index)
+                if kind is not None:
+                    return (
+                        f"group {group.group_id}: layer {name} is a {kind!r} layer: its page is a "
+                        "recurrent state (vLLM's MambaSpec), not K and V heads"
+                    )
+        if self.recurrent_layers or self.recurrent_model:
+            what = self.recurrent_model or f"recurrent layers {sorted(self.recurrent_layers)}"
+            return f"the model has {what}: vLLM's MambaSpec pages, not K and V heads"
+        if self.mla_latent is not None:
+            first = next((name for g in config.groups for name in g.layer_names), "?")
+            return (
+                f"layer {first} is MLA (vLLM's MLAAttentionSpec): its page is one "
+                f"{self.mla_latent}-wide latent per token, not K and V heads"
+            )
+        return None
 
 
 def read_model_shape(model: str) -> ModelShape | None:
@@ -149,6 +221,9 @@ def describe_rows(
     ``page_split``: ``token`` or ``head`` (see the module doc)."""
     if shape is None:
         return None, "the model's KV heads and head size are not known (no config.json)"
+    refusal = shape.refusal(config)
+    if refusal is not None:
+        return None, refusal
     order = PAGE_ORDERS.get(config.kv_cache_layout or "")
     if order is None:
         return None, f"vLLM's KV cache layout {config.kv_cache_layout!r} has no NHD/HND page"

@@ -461,3 +461,29 @@ def test_random_calls_keep_every_row_where_a_model_of_the_contract_says(groups, 
         assert held_pins == {key: n for key, n in pins.items() if n} and held_storing == []
         assert len(m) == len(slot_of)
         assert sum(m.num_free_slots(g) for g in range(groups)) == 6 * groups - len(slot_of)
+
+
+def test_discard_forgets_one_groups_rows_and_frees_their_slots_for_the_policy_too():
+    """A hybrid's state rows taken away from its attention rows (the engine tests' drop_rows):
+    the state keys miss, the attention keys still hit, the slots are free again, and the
+    policy never offers a discarded key for eviction."""
+    m = manager(slots=2, groups=2)
+    stored(m, 1, 2, group=0)  # attention rows
+    stored(m, 2, group=1)  # the state row at the prefix's end
+    m.take_events()
+
+    assert m.discard([k(2, 1), k(9, 1)]) == 1  # an unknown key is nothing to forget
+
+    assert [m.lookup(k(1, 0)), m.lookup(k(2, 0)), m.lookup(k(2, 1))] == [HIT, HIT, MISS]
+    assert m.num_free_slots(1) == 2
+    assert [e.removed for e in m.take_events()] == [True]
+    stored(m, 3, 4, group=1)  # both slots usable: no eviction of a forgotten key
+    assert m.lookup(k(3, 1)) == HIT and m.lookup(k(4, 1)) == HIT
+
+
+def test_discard_leaves_pinned_rows():
+    m = manager(slots=2)
+    stored(m, 1)
+    m.prepare_load([k(1)])
+    assert m.discard([k(1)]) == 0
+    assert m.lookup(k(1)) == HIT

@@ -101,3 +101,103 @@ def test_model_shape_from_config_json():
         {"text_config": {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128}}
     ) == ModelShape(2, 128, 128)
     assert ModelShape.from_hf_config({"hidden_size": 512}) is None
+
+
+def hybrid_config(layers: tuple[tuple[str, ...], ...]) -> OffloadingConfig:
+    """Groups of one layer each, their pages all the attention page's size (vLLM pads a
+    Mamba page to the attention page, so bytes alone cannot tell them apart)."""
+    one_layer_page = 2 * 16 * 128 * 2
+    cfg = config(per_block=one_layer_page)
+    groups = tuple(OffloadingGroupConfig(16, names, i) for i, names in enumerate(layers))
+    return OffloadingConfig(**{**cfg.__dict__, "groups": groups})
+
+
+HYBRID_LAYERS = (("model.layers.1.self_attn.attn",), ("model.layers.0.linear_attn",))
+HF_BASE = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+
+
+@pytest.mark.parametrize(
+    ("hf", "layers", "named"),
+    [
+        (  # Qwen3-Next: gated delta-net layers
+            {**HF_BASE, "layer_types": ["linear_attention", "full_attention"]},
+            HYBRID_LAYERS,
+            "layer model.layers.0.linear_attn is a 'linear_attention' layer",
+        ),
+        (  # Nemotron-H: M a Mamba-2 layer, * attention
+            {**HF_BASE, "hybrid_override_pattern": "M*"},
+            (("model.layers.1.mixer.attn",), ("model.layers.0.mixer",)),
+            "layer model.layers.0.mixer is a 'mamba' layer",
+        ),
+        (  # Granite-4-H
+            {**HF_BASE, "layer_types": ["mamba", "attention"]},
+            (("model.layers.1.self_attn.attn",), ("model.layers.0.mamba",)),
+            "layer model.layers.0.mamba is a 'mamba' layer",
+        ),
+        (  # Falcon-H1: every layer has a Mamba mixer beside its attention, no per-layer list
+            {**HF_BASE, "mamba_d_state": 16, "mamba_n_heads": 8},
+            (("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"),),
+            "recurrent layers (mamba_d_state",
+        ),
+    ],
+    ids=["qwen3-next", "nemotron-h", "granite-4-h", "falcon-h1"],
+)
+def test_a_recurrent_state_group_is_never_described_as_attention(hf, layers, named):
+    """A state page read as K and V heads would convert into garbage for engines of other
+    block sizes or page orders: the description is refused, naming the layer and vLLM's
+    spec type, and the rows stay keyed by the configuration fingerprint."""
+    layout, why = describe(hybrid_config(layers), ModelShape.from_hf_config(hf))
+    assert layout is None
+    assert named in why and "MambaSpec" in why
+
+
+def test_an_mla_latent_is_never_described_as_heads():
+    """DeepSeek's MLA page is one latent per token (kv_lora_rank + qk_rope_head_dim); with
+    heads and head sizes whose product happens to match its bytes it must still be refused."""
+    hf = {**HF_BASE, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    layout, why = describe(
+        hybrid_config((("model.layers.0.self_attn.attn",),)), ModelShape.from_hf_config(hf)
+    )
+    assert layout is None
+    assert "layer model.layers.0.self_attn.attn is MLA (vLLM's MLAAttentionSpec)" in why
+    assert "576-wide latent" in why
+
+
+def test_attention_only_models_are_still_described():
+    hf = {**HF_BASE, "layer_types": ["sliding_attention", "full_attention"]}
+    layout, why = describe(
+        hybrid_config((("model.layers.0.self_attn.attn",), ("model.layers.1.self_attn.attn",))),
+        ModelShape.from_hf_config(hf),
+    )
+    assert layout is not None, why
+
+
+def test_the_spec_built_for_a_hybrid_model_keys_its_rows_by_fingerprint_and_says_why(tmp_path, caplog):
+    """Built as vLLM builds it (``OffloadingConfig`` of an engine serving Qwen3-Next, whose
+    ``config.json`` says which layers are gated delta-nets): no row layout, and the start
+    log names the layer and vLLM's spec type."""
+    import json
+    import logging
+
+    from offload.vllm.spec import KVTierOffloadingSpec
+
+    model = tmp_path / "qwen3-next"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {**HF_BASE, "model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}
+        )
+    )
+    cfg = hybrid_config(HYBRID_LAYERS)
+    cfg = OffloadingConfig(
+        **{
+            **cfg.__dict__,
+            "model": OffloadingModelConfig(str(model), "float16"),
+            "extra_config": {"cpu_bytes_to_use": 1 << 20, "shm_dir": str(tmp_path)},
+        }
+    )
+    with caplog.at_level(logging.INFO, logger="offload.vllm.spec"):
+        spec = KVTierOffloadingSpec(cfg)
+    assert spec.row_layout is None
+    assert "layer model.layers.0.linear_attn is a 'linear_attention' layer" in caplog.text
+    assert "MambaSpec" in caplog.text
