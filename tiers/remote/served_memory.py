@@ -85,6 +85,7 @@ class TenantWorker:
         self.on_lost: dict[str, Callable[[], object]] = {}  # loaded agent -> close its connection
         self.pid = 0
         self.closing = False
+        self._chores: set[asyncio.Task] = set()  # reaping and restarting, held until done
 
     @property
     def alive(self) -> bool:
@@ -152,7 +153,7 @@ class TenantWorker:
         writer.close()
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-        asyncio.ensure_future(proc.wait())  # reaped, never a zombie
+        self._chore(proc.wait())  # reaped, never a zombie
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -163,7 +164,12 @@ class TenantWorker:
         for close in lost.values():
             close()
         if not self.closing:  # the next client of this tenant finds a worker ready
-            asyncio.ensure_future(self._restart())
+            self._chore(self._restart())
+
+    def _chore(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     async def _restart(self) -> None:
         try:
