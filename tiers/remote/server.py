@@ -65,6 +65,7 @@ from tiers.remote.net_iface import bind_ucx_to
 from tiers.remote.nixl_metadata import MetadataError, check_client_metadata
 from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
 from tiers.remote.served_memory import ServedMemory, TransferFailed, make_undumpable
+from tiers.remote.socket_owner import owner_pids
 from tiers.row_format import RowHeader
 from tiers.sizes import parse_size
 
@@ -325,6 +326,9 @@ class PeerServer:
             got = await self.memory.read_probe(name, probe_addr, time.monotonic() + timeout)
             if not proto.macs_equal(session.probe_value, got):
                 raise MetadataError("its probe bytes do not hold this session's value")
+            owners = await asyncio.to_thread(owner_pids, writer.get_extra_info("socket"))
+            if owners is not None:  # a client on this host: its agent must reach its own process
+                await self.memory.bind(name, sorted(owners), probe_addr, time.monotonic() + timeout)
             ready = True
         except Exception as exc:
             return self._refuse_agent(peername, exc)

@@ -59,6 +59,10 @@ log = logging.getLogger("kvtier.peer.worker")
 PROBES = 64
 """Probe reads that may run at once (one per handshake in progress); more wait their turn."""
 AGENT_START_S = 30.0
+TEND_S = 1.0
+"""While this process holds more descriptors than it started with, its UCX worker is
+progressed this often: a client's endpoint socket is closed only by progress, after the
+client left (an agent asleep between transfers kept them in CLOSE-WAIT for good)."""
 CAP_SYS_PTRACE = 19
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -136,9 +140,18 @@ class Worker:
         self._free_probes = asyncio.Queue[int]()
         for i in range(PROBES):
             self._free_probes.put_nowait(i)
+        self.loaded: set[str] = set()
+        self.baseline_fds = _fds()
+
+    async def tend(self) -> None:
+        """Progress the UCX worker every ``TEND_S`` while descriptors are held beyond the start."""
+        while True:
+            await asyncio.sleep(TEND_S)
+            if _fds() > self.baseline_fds:
+                self.agent.submit(_progress)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tasks: set[asyncio.Task] = set()
+        tasks: set[asyncio.Task] = {asyncio.create_task(self.tend())}
         while True:
             try:
                 request = await link.read_message(reader)
@@ -159,22 +172,26 @@ class Worker:
                 reply["ok"] = await self.load(bytes.fromhex(request["metadata"]), request["deadline"])
             elif op == "probe":
                 reply["ok"] = (await self.probe(request["name"], request["addr"], request["deadline"])).hex()
+            elif op == "bind":
+                await self.bind(request["name"], request["pids"], request["addr"], request["deadline"])
+                reply["ok"] = True
             elif op == "transfer":
                 reply["ok"] = await self.transfer(request)
-            elif op == "fds":
-                reply["ok"] = len(os.listdir("/proc/self/fd"))
             else:
                 raise ValueError(f"unknown request {op!r}")
         except Exception as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             reply["timeout"] = isinstance(exc, TransferTimeout | TimeoutError)
+        reply["stale_fds"] = _fds() - self.baseline_fds - len(self.loaded)  # see MAX_STALE_FDS
         writer.write(link.encode(reply))
 
     async def load(self, metadata: bytes, deadline: float) -> str:
         raw = await self.agent.call(
             lambda a: a.add_remote_agent(metadata), max(0.0, deadline - time.monotonic())
         )
-        return raw.decode() if isinstance(raw, bytes) else str(raw)
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self.loaded.add(name)
+        return name
 
     def forget(self, name: str) -> None:
         """Drop a client's agent after whatever is queued towards it, then progress the worker
@@ -183,9 +200,9 @@ class Worker:
 
         def drop(agent) -> None:
             quietly(agent.remove_remote_agent, name)
-            for _ in range(8):
-                quietly(agent.get_new_notifs)
+            _progress(agent)
 
+        self.loaded.discard(name)
         self.agent.submit(drop)
 
     async def probe(self, name: str, addr: int, deadline: float) -> bytes:
@@ -197,6 +214,17 @@ class Worker:
             return self.rows.probes[at : at + PROBE_BYTES].tobytes()
         finally:
             self._free_probes.put_nowait(index)
+
+    async def bind(self, name: str, pids: list[int], addr: int, deadline: float) -> None:
+        """Make sure agent ``name`` reaches the memory of one of ``pids`` (the processes that hold
+        the client's end of its connection: ``socket_owner``): a secret is written straight into
+        their probe bytes (``process_vm_writev``) and must come back through the agent. Metadata
+        naming any other process (the peer's, this worker's, another client's) fails it."""
+        secret = os.urandom(PROBE_BYTES)
+        if not any(_write_memory(pid, addr, secret) for pid in pids):
+            raise PermissionError(f"cannot write the probe bytes of processes {pids}")
+        if await self.probe(name, addr, deadline) != secret:
+            raise PermissionError("the agent does not reach the process that holds its connection")
 
     async def transfer(self, request: dict[str, Any]) -> list[Any]:
         slots: list[int] = request["slots"]
@@ -240,6 +268,27 @@ class Worker:
             if isinstance(outcome, BaseException):
                 raise outcome
         return outcomes
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _write_memory(pid: int, addr: int, data: bytes) -> bool:
+    """``process_vm_writev`` of ``data`` at ``addr`` in ``pid``; whether all of it was written."""
+    buf = ctypes.create_string_buffer(data, len(data))
+    local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), len(data))
+    remote = _IoVec(addr, len(data))
+    return _libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == len(data)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _progress(agent) -> None:
+    for _ in range(8):
+        quietly(agent.get_new_notifs)
 
 
 async def _run(args: argparse.Namespace) -> int:
