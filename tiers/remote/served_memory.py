@@ -168,8 +168,9 @@ class TenantWorker:
         lost, self.on_lost = self.on_lost, {}
         if lost:
             log.warning("tenant %r: worker ended (%s): closing %d connection(s)", self.key, why, len(lost))
-        for close in lost.values():
-            close()
+        loop = asyncio.get_running_loop()
+        for close in lost.values():  # after this step: a failed call's answer is written first
+            loop.call_soon(close)
         if not self.closing:  # the next client of this tenant finds a worker ready
             self._chore(self._restart())
 
@@ -188,6 +189,8 @@ class TenantWorker:
         """The worker's answer to ``op`` (``ok``); ``TransferFailed`` if it failed, timed out
         or the worker ended. Past ``deadline + KILL_GRACE_S`` the worker is killed."""
         await self.ready()
+        if time.monotonic() >= deadline:  # the start took it all: not the worker's fault
+            raise TransferFailed(f"{op}: the deadline passed while the worker started", timed_out=True)
         writer, proc = self._writer, self._proc
         assert writer is not None
         rid = next(self._ids)
@@ -286,9 +289,12 @@ class ServedMemory:
         """The client's ``PROBE_BYTES`` at ``probe_addr``, read by its tenant's worker."""
         return bytes.fromhex(await self._worker_for(name).call("probe", deadline, name=name, addr=probe_addr))
 
-    async def bind(self, name: str, pids: list[int], probe_addr: int, deadline: float) -> None:
-        """``TransferFailed`` unless agent ``name`` reaches one of ``pids`` (``tenant_worker``)."""
-        await self._worker_for(name).call("bind", deadline, name=name, pids=pids, addr=probe_addr)
+    async def bind(self, name: str, pids: list[int], probe_addr: int, value: bytes, deadline: float) -> None:
+        """``TransferFailed`` unless agent ``name`` reaches the one of ``pids`` that holds the
+        probe ``value`` at ``probe_addr`` (``tenant_worker.Worker.bind``)."""
+        await self._worker_for(name).call(
+            "bind", deadline, name=name, pids=pids, addr=probe_addr, value=value.hex()
+        )
 
     async def transfer(
         self,

@@ -328,7 +328,8 @@ class PeerServer:
                 raise MetadataError("its probe bytes do not hold this session's value")
             owners = await asyncio.to_thread(owner_pids, writer.get_extra_info("socket"))
             if owners is not None:  # a client on this host: its agent must reach its own process
-                await self.memory.bind(name, sorted(owners), probe_addr, time.monotonic() + timeout)
+                deadline = time.monotonic() + timeout
+                await self.memory.bind(name, sorted(owners), probe_addr, session.probe_value, deadline)
             ready = True
         except Exception as exc:
             return self._refuse_agent(peername, exc)

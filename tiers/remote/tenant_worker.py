@@ -173,7 +173,8 @@ class Worker:
             elif op == "probe":
                 reply["ok"] = (await self.probe(request["name"], request["addr"], request["deadline"])).hex()
             elif op == "bind":
-                await self.bind(request["name"], request["pids"], request["addr"], request["deadline"])
+                value = bytes.fromhex(request["value"])
+                await self.bind(request["name"], request["pids"], request["addr"], value, request["deadline"])
                 reply["ok"] = True
             elif op == "transfer":
                 reply["ok"] = await self.transfer(request)
@@ -215,14 +216,17 @@ class Worker:
         finally:
             self._free_probes.put_nowait(index)
 
-    async def bind(self, name: str, pids: list[int], addr: int, deadline: float) -> None:
+    async def bind(self, name: str, pids: list[int], addr: int, value: bytes, deadline: float) -> None:
         """Make sure agent ``name`` reaches the memory of one of ``pids`` (the processes that hold
-        the client's end of its connection: ``socket_owner``): a secret is written straight into
-        their probe bytes (``process_vm_writev``) and must come back through the agent. Metadata
-        naming any other process (the peer's, this worker's, another client's) fails it."""
+        the client's end of its connection: ``socket_owner``). Those whose bytes at ``addr`` are
+        the session's probe ``value`` (only these: nothing else of theirs is ever written) get a
+        fresh secret there, written straight into their memory (``process_vm_writev``), and the
+        secret must come back through the agent. Metadata naming any other process (the
+        peer's, this worker's, another client's) fails it."""
         secret = os.urandom(PROBE_BYTES)
-        if not any(_write_memory(pid, addr, secret) for pid in pids):
-            raise PermissionError(f"cannot write the probe bytes of processes {pids}")
+        holders = [pid for pid in pids if _read_memory(pid, addr, len(value)) == value]
+        if not any(_write_memory(pid, addr, secret) for pid in holders):
+            raise PermissionError(f"no process holding the connection ({pids}) holds the probe bytes")
         if await self.probe(name, addr, deadline) != secret:
             raise PermissionError("the agent does not reach the process that holds its connection")
 
@@ -272,6 +276,15 @@ class Worker:
 
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _read_memory(pid: int, addr: int, n: int) -> bytes | None:
+    """``process_vm_readv`` of ``n`` bytes at ``addr`` in ``pid``; ``None`` if refused or short."""
+    buf = ctypes.create_string_buffer(n)
+    local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), n)
+    remote = _IoVec(addr, n)
+    got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return buf.raw if got == n else None
 
 
 def _write_memory(pid: int, addr: int, data: bytes) -> bool:
