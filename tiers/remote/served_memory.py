@@ -51,6 +51,12 @@ every ``add_remote_agent`` opens a socket to the client's UCX that ``remove_remo
 does not close while that client's process lives (it goes once the client exits and the
 worker progresses: ``tenant_worker.TEND_S``), so one agent reconnecting in a loop would
 otherwise hold a descriptor per connection in its tenant's worker."""
+RESTART_BACKOFF_S = (0.0, 0.25, 0.5, 1.0, 2.0, 5.0)
+"""How long after its n-th death in a row a tenant's worker is started again. A start costs
+about a second of CPU (Python, NIXL, UCX): metadata that kills the worker each time must not
+make the peer spend the cores other tenants need. Calls meanwhile fail at once."""
+HEALTHY_S = 10.0
+"""A worker that lived this long resets the count of deaths in a row."""
 ROOT = Path(__file__).resolve().parents[2]
 _PR_SET_DUMPABLE = 4
 
@@ -90,6 +96,9 @@ class TenantWorker:
         self.pid = 0
         self.closing = False
         self.stale_fds = 0  # as the worker's last answer counted them
+        self._deaths = 0  # in a row (see RESTART_BACKOFF_S)
+        self._started_at = 0.0
+        self._not_before = 0.0
         self._chores: set[asyncio.Task] = set()  # reaping and restarting, held until done
 
     @property
@@ -100,6 +109,8 @@ class TenantWorker:
         """Start the process unless it runs (one start for concurrent callers)."""
         if self.alive:
             return
+        if time.monotonic() < self._not_before:
+            raise TransferFailed(f"the worker of tenant {self.key!r} is restarting")
         if self._starting is None or self._starting.done():
             self._starting = asyncio.create_task(self._start())
         await asyncio.shield(self._starting)
@@ -135,6 +146,7 @@ class TenantWorker:
             raise TransferFailed(f"the worker of tenant {self.key!r} did not start: {exc}") from None
         self._proc, self._writer, self.pid = proc, writer, int(hello.get("ok", 0))
         self._reading = asyncio.create_task(self._read(reader, writer, proc))
+        self._started_at = time.monotonic()
         log.info("tenant %r: worker %d started", self.key, proc.pid)
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proc) -> None:
@@ -171,15 +183,20 @@ class TenantWorker:
         loop = asyncio.get_running_loop()
         for close in lost.values():  # after this step: a failed call's answer is written first
             loop.call_soon(close)
+        now = time.monotonic()
+        self._deaths = 1 if now - self._started_at > HEALTHY_S else self._deaths + 1
+        delay = RESTART_BACKOFF_S[min(self._deaths - 1, len(RESTART_BACKOFF_S) - 1)]
+        self._not_before = now + delay
         if not self.closing:  # the next client of this tenant finds a worker ready
-            self._chore(self._restart())
+            self._chore(self._restart(delay))
 
     def _chore(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 
-    async def _restart(self) -> None:
+    async def _restart(self, delay: float) -> None:
+        await asyncio.sleep(delay)
         try:
             await self.ready()
         except Exception as exc:
