@@ -110,20 +110,16 @@ def _descriptor_at(real: bytes) -> int:
     raise AssertionError("no descriptor found")
 
 
-def retarget(real: bytes, pid: int) -> bytes:
-    """The client's metadata with its CMA pid replaced by ``pid``, and its region widened to
-    nearly the whole address space. The pid is in the UCX worker address twice (UCX 1.x as
-    NIXL 1.5.1 packs it); the second is the CMA device address (``process_vm_readv``'s
-    target). Changing the first made the client's own UCX crash once the peer connected."""
+def retarget(real: bytes, own: int, pid: int) -> bytes:
+    """The metadata of process ``own``'s agent with its CMA pid (the first copy of the pid in
+    the UCX worker address, as UCX 1.x packs it for NIXL 1.5.1) replaced by ``pid``, and its
+    region widened to nearly the whole address space. (The announcing process's UCX may crash
+    once the peer connects to it: ``announcer`` keeps it out of the test process.)"""
     blob = _blob_span(real)
-    own = struct.pack("<I", os.getpid())
     out = bytearray(real)
-    body = bytes(out[blob.start : blob.stop])
-    spots = [i for i in range(len(body) - 3) if body[i : i + 4] == own]
-    for i in spots[1:2]:
-        struct.pack_into("<I", out, blob.start + i, pid)
-    desc = _descriptor_at(real)
-    struct.pack_into("<QQ", out, desc, 0x1000, (1 << 47) - 0x1000)
+    at = bytes(out[blob.start : blob.stop]).index(struct.pack("<I", own))
+    struct.pack_into("<I", out, blob.start + at, pid)
+    struct.pack_into("<QQ", out, _descriptor_at(real), 0x1000, (1 << 47) - 0x1000)
     return bytes(out)
 
 
@@ -219,23 +215,24 @@ async def test_fuzzed_agent_frames_leave_the_peer_and_other_tenants_served(spawn
 
 
 @multiprocess
-@pytest.mark.parametrize("whose", ["the peer's", "another client's"])
+@pytest.mark.parametrize("whose", ["the peer's", "its tenant worker's", "another client's"])
 def test_an_agent_naming_another_process_is_refused(spawn_peers, whose):
-    """A token holder announces its real agent with the CMA pid replaced (the peer's own, or a
-    process of another client that holds bytes the attacker chose), its region widened to the
-    whole address space, and its probe address pointing where those bytes are: the probe would
-    pass if the copy went there. The peer refuses the agent, and its token (a canary outside the
-    pool) reads the same after."""
+    """A token holder announces a real agent with the CMA pid replaced (the peer's own; the
+    tenant worker's, which maps the attacker's rows; a process of another client that holds
+    bytes the attacker chose), its region widened to the whole address space, and its probe
+    address pointing where the session's probe bytes are (a row the attacker stored, or the
+    other client's memory): the probe passes if the copy goes there. The peer refuses the
+    agent, and its token (a canary outside the pool) reads the same after."""
     (peer,) = spawn_peers(tenants=TENANTS)
     agent = RawAgent()
     canaries = find_in_memory(peer.proc.pid, VICTIM_TOKEN)
     assert canaries, "the token is not in the peer's memory"
-    other = None
+    other = holder = None
     try:
         raw = RawConnection(peer.port, timeout=5.0)
         assert raw.handshake(ATTACKER_TOKEN, tenant="attacker") is not None and raw.session is not None
         value = raw.session.probe_value
-        if whose == "the peer's":
+        if whose != "another client's":
             # the bytes the probe wants, stored as a row of the attacker's: in the peer's pool
             writer = RawConnection(peer.port, timeout=5.0)
             assert writer.handshake(ATTACKER_TOKEN, tenant="attacker", agent=agent) is not None
@@ -244,8 +241,11 @@ def test_an_agent_naming_another_process_is_refused(spawn_peers, whose):
             landed = writer.read_frame()
             assert landed is not None and landed.type == proto.Msg.LANDED
             writer.close()
-            target = peer.proc.pid
-            places = [a for p in peer_processes(target) for a in find_in_memory(p, value)]
+            holding = [(p, a) for p in peer_processes(peer.proc.pid) for a in find_in_memory(p, value)]
+            target, places = peer.proc.pid, [a for _, a in holding]
+            if whose == "its tenant worker's":  # the process that maps the attacker's rows
+                target = next((p for p, _ in holding if p != peer.proc.pid), target)
+                places = [a for p, a in holding if p == target]
         else:
             other = subprocess.Popen(
                 [sys.executable, "-c", _HOLDER, value.hex()],
@@ -257,7 +257,16 @@ def test_an_agent_naming_another_process_is_refused(spawn_peers, whose):
             pid, addr = (int(x) for x in other.stdout.readline().split())
             target, places = pid, [addr]
         assert places, "the probe bytes are nowhere to point at"
-        metadata = retarget(agent.metadata, target)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _ANNOUNCER],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        own, metadata = holder.stdout.readline().split()
+        metadata = retarget(bytes.fromhex(metadata), int(own), target)
         raw.request(proto.Msg.AGENT, 0, proto.encode_agent(places[0], metadata))
         try:
             frame = raw.read_frame()
@@ -275,9 +284,10 @@ def test_an_agent_naming_another_process_is_refused(spawn_peers, whose):
         control.close()
     finally:
         agent.close()
-        if other is not None:
-            other.kill()
-            other.wait()
+        for process in (other, holder):
+            if process is not None:
+                process.kill()
+                process.wait()
 
 
 _HOLDER = """
@@ -285,6 +295,15 @@ import ctypes, os, sys
 value = bytes.fromhex(sys.argv[1])
 held = ctypes.create_string_buffer(value, len(value))
 print(os.getpid(), ctypes.addressof(held), flush=True)
+sys.stdin.readline()
+"""
+
+_ANNOUNCER = """
+import os, sys
+from tests.tiers.peer_fixtures import RawAgent, die_with_parent
+die_with_parent()
+agent = RawAgent()
+print(os.getpid(), agent.metadata.hex(), flush=True)
 sys.stdin.readline()
 """
 
