@@ -6,11 +6,15 @@
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
-The pool is one buffer, pre-faulted and registered with NIXL once for the life of the
-process, cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every
-KV group share the slots, a smaller row uses the head of its slot). Fixed slots keep a
-slot's address a multiplication and make eviction a one-for-one swap; vLLM pads every
-group's page to one size anyway, so little is wasted.
+The pool is one memfd, allocated at start, cut into fixed-size slots of ``--row-bytes`` (the
+largest row served; rows of every KV group share the slots, a smaller row uses the head of its
+slot), one segment per tenant. Fixed slots keep a slot's address a multiplication and make
+eviction a one-for-one swap; vLLM pads every group's page to one size anyway, so little is
+wasted. This process never maps the pool and never loads a client's NIXL metadata: each
+tenant's **worker** process (``tiers/remote/served_memory.py``, ``tenant_worker.py``) maps its
+tenant's segment, registers it with its own NIXL agent, and moves and verifies that tenant's
+rows; a worker that crashes on hostile metadata, or stalls past a deadline and is killed,
+ends only its tenant's connections.
 
 **The peer initiates every transfer** (``tiers/remote/protocol.py``): a client announces its
 own NIXL agent (metadata checked by ``tiers/remote/nixl_metadata.py``, then proven its own by
@@ -18,9 +22,11 @@ a probe read) and names, per request, the addresses of its rows; the peer READs 
 into slots it allocated for that tenant and WRITEs a get's rows from the slots it looked
 up, then answers. No client ever receives the pool's address, a slot number or the peer's
 NIXL metadata, so no client reaches a row it was not granted, or any other memory of this
-process, through NIXL, on any transport (``docs/threat-model.md`` says what remains). The
-agent lives on a thread of its own (``AgentThread``); with no transfer in flight it sleeps,
-so an idle peer costs no CPU however many clients are connected. The control plane runs on
+process, through NIXL, on any transport (``docs/threat-model.md`` says what remains). A
+client on this host must also reach, through its agent, the process that holds its connection
+(``socket_owner.py``). A worker's agent lives on a thread of its own (``AgentThread``); with no
+transfer in flight it sleeps, so an idle peer costs almost no CPU however many clients are
+connected. This process is non-dumpable. The control plane runs on
 one uvloop event loop: handshake, put (read, then commit), get, contains, delete, stats;
 puts and gets of one connection run concurrently (``MAX_TRANSFERS_PER_CONNECTION``). A
 transfer that fails or runs past the client's budget is answered ``TRANSFER_FAILED`` and
