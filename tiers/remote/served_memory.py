@@ -41,7 +41,9 @@ from tiers.remote import worker_link as link
 log = logging.getLogger("kvtier.peer")
 
 SEGMENT_ALIGN = 2 << 20
-WORKER_START_S = 30.0
+WORKER_START_S = 120.0
+"""A worker starts in about a second (Python, NIXL, UCX); many peers starting at once on a
+loaded machine took more than 30 s."""
 KILL_GRACE_S = 0.5
 """How long past a call's deadline a worker may take to answer before it is killed."""
 MAX_STALE_FDS = 256
@@ -143,7 +145,8 @@ class TenantWorker:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             writer.close()
-            raise TransferFailed(f"the worker of tenant {self.key!r} did not start: {exc}") from None
+            why = str(exc) or type(exc).__name__
+            raise TransferFailed(f"the worker of tenant {self.key!r} did not start: {why}") from None
         self._proc, self._writer, self.pid = proc, writer, int(hello.get("ok", 0))
         self._reading = asyncio.create_task(self._read(reader, writer, proc))
         self._started_at = time.monotonic()

@@ -60,7 +60,7 @@ PROBES = 64
 """Probe reads that may run at once (one per handshake in progress); more wait their turn."""
 AGENT_START_S = 30.0
 TEND_S = 1.0
-"""While this process holds more descriptors than it started with, its UCX worker is
+"""While this process holds more descriptors than it started with (and its loaded agents'), its UCX worker is
 progressed this often: a client's endpoint socket is closed only by progress, after the
 client left (an agent asleep between transfers kept them in CLOSE-WAIT for good)."""
 CAP_SYS_PTRACE = 19
@@ -144,10 +144,11 @@ class Worker:
         self.baseline_fds = _fds()
 
     async def tend(self) -> None:
-        """Progress the UCX worker every ``TEND_S`` while descriptors are held beyond the start."""
+        """Progress the UCX worker every ``TEND_S`` while it holds more descriptors than its
+        start and one socket per loaded agent (the stale ones of clients that left)."""
         while True:
             await asyncio.sleep(TEND_S)
-            if _fds() > self.baseline_fds:
+            if _fds() > self.baseline_fds + len(self.loaded):
                 self.agent.submit(_progress)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
