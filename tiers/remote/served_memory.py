@@ -1,24 +1,19 @@
-"""The peer's pool and the tenant workers that move its rows; the serving process touches no
-client's NIXL metadata and holds no NIXL agent.
+"""The tenant workers that hold and move the peer's rows; the serving process touches no
+client's NIXL metadata, holds no NIXL agent and maps no row.
 
-The pool is one memfd, cut into one **segment per slot range** (a tenant's quota, or the one
-shared range of a peer without a token file), each starting on a 2 MiB boundary so that no
-page holds slots of two tenants. This process never maps it: it only allocates it
-(``fallocate``, so every page exists before the first client) and keeps the descriptor, so the
-rows outlive any worker. Each range gets a **tenant worker** (``tiers/remote/tenant_worker.py``),
-a process that maps only its segment and owns the NIXL agent that loads that tenant's
-clients' metadata and READs and WRITEs their rows.
+Each slot range (a tenant's quota, or the one shared range of a peer without a token file)
+gets a **tenant worker** (``tiers/remote/tenant_worker.py``): a process that holds that range's
+slots in its own memory and owns the NIXL agent that loads that tenant's clients' metadata
+and READs and WRITEs their rows. (A memfd shared with this process would let the rows outlive
+a worker, but this VM gives shared memory no huge pages and CMA copies into it ran about a
+quarter slower: the rows live and die with their worker, and ``on_rows_lost`` tells the pool.)
 
 ``TenantWorker`` is this side of one worker: requests over a socketpair, each with a deadline.
 A worker that does not answer by its deadline plus ``KILL_GRACE_S`` (a CMA copy from a
 client's memory that does not fault in, an agent wedged by metadata) is killed; a worker
-that died for any reason fails every call in flight (``TransferFailed``), and each
-connection whose agent it had loaded is closed (``on_lost``). The next call starts a new one.
-Other tenants' workers are untouched, and so is this process.
-
-Alignment is a measured matter: a CMA copy between buffers whose addresses differ mod 64 runs
-at about half speed, and host tiers are torch allocations (aligned); segments are 2 MiB
-aligned and a slot starts at a multiple of ``--row-bytes`` in its segment.
+that died for any reason fails every call in flight (``TransferFailed``), each connection
+whose agent it had loaded is closed (``on_lost``) and its rows are forgotten. A new one is
+started (``RESTART_BACKOFF_S``). Other tenants' workers are untouched, and so is this process.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ from tiers.remote import worker_link as link
 
 log = logging.getLogger("kvtier.peer")
 
-SEGMENT_ALIGN = 2 << 20
 WORKER_START_S = 120.0
 """A worker starts in about a second (Python, NIXL, UCX); many peers starting at once on a
 loaded machine took more than 30 s."""
@@ -78,16 +72,15 @@ def make_undumpable() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0)
 
 
-def _align(n: int) -> int:
-    return -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
-
-
 class TenantWorker:
     """This side of one tenant worker process: start, calls with deadlines, death."""
 
-    def __init__(self, key: str, pool_fd: int, offset: int, first: int, count: int, slot_bytes: int) -> None:
+    def __init__(
+        self, key: str, first: int, count: int, slot_bytes: int, on_rows_lost: Callable[[str], object]
+    ) -> None:
         self.key = key
-        self._spec = (pool_fd, offset, first, count, slot_bytes)
+        self._spec = (first, count, slot_bytes)
+        self._on_rows_lost = on_rows_lost
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future] = {}
@@ -118,13 +111,11 @@ class TenantWorker:
         await asyncio.shield(self._starting)
 
     async def _start(self) -> None:
-        pool_fd, offset, first, count, slot_bytes = self._spec
+        first, count, slot_bytes = self._spec
         ours, theirs = socket.socketpair()
         try:
             args = [
-                f"--pool-fd={pool_fd}",
                 f"--link-fd={theirs.fileno()}",
-                f"--offset={offset}",
                 f"--first={first}",
                 f"--count={count}",
                 f"--slot-bytes={slot_bytes}",
@@ -134,7 +125,7 @@ class TenantWorker:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tiers.remote.tenant_worker", *args,
                 cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                pass_fds=(pool_fd, theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         finally:
             theirs.close()
@@ -176,6 +167,7 @@ class TenantWorker:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         self._chore(proc.wait())  # reaped, never a zombie
+        self._on_rows_lost(self.key)  # they were in its memory
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -254,31 +246,33 @@ class TenantWorker:
 
 
 class ServedMemory:
-    """The pool's memfd and one ``TenantWorker`` per slot range (``ranges``: key -> (first
-    slot, count); ``shared``: every tenant uses the range ``""``)."""
+    """One ``TenantWorker`` per slot range (``ranges``: key -> (first slot, count); ``shared``:
+    every tenant uses the range ``""``). ``on_rows_lost(key)``: that range's worker ended and
+    its rows with it."""
 
-    def __init__(self, ranges: Mapping[str, tuple[int, int]], slot_bytes: int, *, shared: bool) -> None:
+    def __init__(
+        self,
+        ranges: Mapping[str, tuple[int, int]],
+        slot_bytes: int,
+        *,
+        shared: bool,
+        on_rows_lost: Callable[[str], object],
+    ) -> None:
         self.slot_bytes = slot_bytes
         self._shared = shared
-        self._fd = os.memfd_create("kvtier-peer-pool", os.MFD_CLOEXEC)
-        offset = 0
-        self.workers: dict[str, TenantWorker] = {}
-        for key, (first, count) in ranges.items():
-            if count:
-                self.workers[key] = TenantWorker(key, self._fd, offset, first, count, slot_bytes)
-                offset += _align(count * slot_bytes)
-        self.pool_bytes = offset
+        self.workers = {
+            key: TenantWorker(key, first, count, slot_bytes, on_rows_lost)
+            for key, (first, count) in ranges.items()
+            if count
+        }
         self._agents: dict[str, TenantWorker] = {}  # loaded client agent -> its tenant's worker
 
     async def start(self) -> None:
-        """Allocate the pool's pages, then start every worker (in parallel)."""
-        if self.pool_bytes:
-            await asyncio.to_thread(os.posix_fallocate, self._fd, 0, self.pool_bytes)
+        """Start every worker (in parallel; each faults its rows in)."""
         await asyncio.gather(*(w.ready() for w in self.workers.values()))
 
     async def close(self) -> None:
         await asyncio.gather(*(w.close() for w in self.workers.values()), return_exceptions=True)
-        os.close(self._fd)
 
     def worker_of(self, tenant: str) -> TenantWorker:
         return self.workers["" if self._shared else tenant]

@@ -6,15 +6,15 @@
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
-The pool is one memfd, allocated at start, cut into fixed-size slots of ``--row-bytes`` (the
-largest row served; rows of every KV group share the slots, a smaller row uses the head of its
-slot), one segment per tenant. Fixed slots keep a slot's address a multiplication and make
-eviction a one-for-one swap; vLLM pads every group's page to one size anyway, so little is
-wasted. This process never maps the pool and never loads a client's NIXL metadata: each
-tenant's **worker** process (``tiers/remote/served_memory.py``, ``tenant_worker.py``) maps its
-tenant's segment, registers it with its own NIXL agent, and moves and verifies that tenant's
-rows; a worker that crashes on hostile metadata, or stalls past a deadline and is killed,
-ends only its tenant's connections.
+The pool is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of
+every KV group share the slots, a smaller row uses the head of its slot), one run per tenant.
+Fixed slots keep a slot's address a multiplication and make eviction a one-for-one swap; vLLM
+pads every group's page to one size anyway, so little is wasted. This process keeps the index
+(``pool.py``) but never holds a row and never loads a client's NIXL metadata: each tenant's
+**worker** process (``tiers/remote/served_memory.py``, ``tenant_worker.py``) holds its
+tenant's run of slots, registers it with its own NIXL agent, and moves and verifies that
+tenant's rows; a worker that crashes on hostile metadata, or stalls past a deadline and is
+killed, ends only its tenant's connections and rows.
 
 **The peer initiates every transfer** (``tiers/remote/protocol.py``): a client announces its
 own NIXL agent (metadata checked by ``tiers/remote/nixl_metadata.py``, then proven its own by
@@ -154,7 +154,12 @@ class PeerServer:
             lease_ttl_s=settings.lease_ttl_s,
             quotas=settings.credentials.quotas(num_slots),
         )
-        self.memory = ServedMemory(self.pool.ranges, settings.row_bytes, shared=self.pool.quotas is None)
+        self.memory = ServedMemory(
+            self.pool.ranges,
+            settings.row_bytes,
+            shared=self.pool.quotas is None,
+            on_rows_lost=self._rows_lost,
+        )
         self._conn_ids = itertools.count(1)
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
         self._unauthenticated: dict[int, tuple[str, asyncio.StreamWriter]] = {}  # oldest first
@@ -186,6 +191,12 @@ class PeerServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
             await self.memory.close()
+
+    def _rows_lost(self, run: str) -> None:
+        """A tenant worker ended, and the rows it held with it: forget them."""
+        lost = self.pool.drop_run(run)
+        if lost:
+            log.warning("forgot %d rows of slot range %r: their tenant worker ended", lost, run)
 
     async def _sweep(self) -> None:
         interval = min(SWEEP_S, self.settings.alloc_ttl_s / 4, self.settings.lease_ttl_s / 4)

@@ -1,12 +1,11 @@
 """A tenant worker: the process that moves one tenant's rows, and the only one that loads its
 clients' NIXL metadata.
 
-    python -m tiers.remote.tenant_worker --pool-fd FD --link-fd FD --offset O --first F
-        --count C --slot-bytes B --name NAME
+    python -m tiers.remote.tenant_worker --link-fd FD --first F --count C --slot-bytes B --name NAME
 
-``kvtier peer`` (``tiers/remote/served_memory.py``) starts one per tenant. It maps **only its
-tenant's run of slots** out of the peer's pool (a memfd the peer holds: the rows outlive this
-process), registers that mapping and a few probe landing areas with its own NIXL agent
+``kvtier peer`` (``tiers/remote/served_memory.py``) starts one per tenant. It holds **only its
+tenant's run of slots** (``TenantRows``, in its own memory: the rows die with it), registers
+them and a few probe landing areas with its own NIXL agent
 (``AgentThread``), and on the peer's request loads a client's metadata, reads its probe
 bytes, and READs or WRITEs rows between the client and the run, verifying a get's rows
 against their checksums as each part lands. It answers over a socketpair
@@ -38,7 +37,6 @@ import argparse
 import asyncio
 import ctypes
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -59,6 +57,7 @@ log = logging.getLogger("kvtier.peer.worker")
 PROBES = 64
 """Probe reads that may run at once (one per handshake in progress); more wait their turn."""
 AGENT_START_S = 30.0
+HUGE_PAGE = 2 << 20
 TEND_S = 1.0
 """While this process holds more descriptors than it started with (and its loaded agents'), its UCX worker is
 progressed this often: a client's endpoint socket is closed only by progress, after the
@@ -104,14 +103,25 @@ def harden() -> None:
 
 
 class TenantRows:
-    """The tenant's run of slots, mapped from the pool's memfd, and the probe landing areas."""
+    """The tenant's run of slots, in this process's own memory, and the probe landing areas.
 
-    def __init__(self, fd: int, offset: int, first: int, count: int, slot_bytes: int) -> None:
+    A numpy allocation (numpy asks for transparent huge pages), 2 MiB aligned, every page
+    faulted in at start rather than during a client's first transfer. Huge pages are a
+    measured matter: CMA copies into a memfd's 4 KiB pages (shared memory gets no huge pages
+    where ``shmem_enabled`` is ``never``) ran about a quarter slower. So are alignments: a CMA
+    copy between buffers whose addresses differ mod 64 runs at about half speed, and host
+    tiers are torch allocations (aligned), so slots are too. The rows die with this process;
+    the peer then forgets them (``PeerPool.drop_run``).
+    """
+
+    def __init__(self, first: int, count: int, slot_bytes: int) -> None:
         self.first, self.count, self.slot_bytes = first, count, slot_bytes
         length = count * slot_bytes
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # faulted in now, not mid-copy
-        self._map = mmap.mmap(fd, length, flags=flags, offset=offset)
-        self.view = np.frombuffer(self._map, dtype=np.uint8)
+        raw = np.zeros(length + HUGE_PAGE, dtype=np.uint8)
+        raw[::4096] = 0  # fault every page in now
+        start = -raw.ctypes.data % HUGE_PAGE
+        self._raw = raw
+        self.view = raw[start : start + length]
         self.base = self.view.ctypes.data
         self.probes = np.zeros(PROBES * PROBE_BYTES, dtype=np.uint8)
         self.probe_base = self.probes.ctypes.data
@@ -306,7 +316,7 @@ def _progress(agent) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    rows = TenantRows(args.pool_fd, args.offset, args.first, args.count, args.slot_bytes)
+    rows = TenantRows(args.first, args.count, args.slot_bytes)
     agent = AgentThread(args.name)
     await agent.start(AGENT_START_S)
     await agent.call(lambda a: a.register_memory(rows.regions(), "DRAM"), AGENT_START_S)
@@ -322,7 +332,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier-tenant-worker")
-    for flag in ("--pool-fd", "--link-fd", "--offset", "--first", "--count", "--slot-bytes"):
+    for flag in ("--link-fd", "--first", "--count", "--slot-bytes"):
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--log-level", default="WARNING")
