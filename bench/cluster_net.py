@@ -260,9 +260,14 @@ class HostProcess(Faultable):
         raise RuntimeError(f"{self.argv[:4]} in {self.host.netns}: no {text!r}\n{self.log()[-4000:]}")
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the process so far (``/proc/PID/stat``)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU time of the process and its living children so far (a peer's
+        tenant workers are its children; ``/proc/PID/stat``)."""
+        ticks = 0
+        for pid in [self.pid, *_children(self.pid)]:
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
         self.kill()
@@ -271,6 +276,14 @@ class HostProcess(Faultable):
                 with contextlib.suppress(OSError):
                     pipe.close()
         self._log.close()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return out
 
 
 class Cluster:

@@ -25,16 +25,26 @@ multiprocess = pytest.mark.multiprocess
 GOOD_TOKEN = b"g" * MIN_TOKEN_BYTES
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
 def _listening(pid: int) -> set[str]:
-    """The local addresses (hex, as ``/proc/net/tcp`` writes them) of ``pid``'s TCP listeners."""
+    """The local addresses (hex, as ``/proc/net/tcp`` writes them) of the TCP listeners of
+    ``pid`` and its children (the tenant workers, whose UCX listens)."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    for proc in [pid, *_children(pid)]:
+        for fd in os.listdir(f"/proc/{proc}/fd"):
+            try:
+                target = os.readlink(f"/proc/{proc}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
     found = set()
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:

@@ -207,14 +207,16 @@ class RawAgent:
     thread that progresses the worker (a peer's transfers into it need that over UCX TCP,
     and so does the transport's wire-up). Only that thread touches the agent after setup."""
 
-    def __init__(self, nbytes: int = 1 << 20) -> None:
+    def __init__(self, nbytes: int = 1 << 20, extra: Sequence[tuple[int, int]] = ()) -> None:
+        """``extra``: more ``(address, length)`` regions to register (memory of the caller's)."""
         from tiers.remote.nixl_agent import create_agent
 
         self.buffer = np.zeros(nbytes, dtype=np.uint8)
         self.addr = self.buffer.ctypes.data
         self.name = f"kvtier-remote-raw-{os.urandom(6).hex()}"
         self.agent = create_agent(self.name)
-        self.agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")
+        regions = [(self.addr, nbytes, 0, ""), *((a, n, 0, "") for a, n in extra)]
+        self.agent.register_memory(regions, "DRAM")
         self.metadata = self.agent.get_agent_metadata()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress, daemon=True)

@@ -276,3 +276,19 @@ def test_quotas_and_namespaces_hold_under_any_sequence(ops):
         _apply(p, op, owner, [bytes([k]) for k in ks], allocs, leases, tenant=f"t{owner % 2}")
         p.check()  # includes: no tenant holds more than its quota; rows counted per tenant
         assert p.stats("t0")["used_slots"] <= 3 and p.stats("t1")["used_slots"] <= 3
+
+
+def test_a_lost_run_forgets_only_its_tenants_rows_and_keeps_leased_slots_retired():
+    """A tenant worker ended with the rows it held: ``drop_run`` forgets them (counted as
+    corrupt), leaves the other tenant's rows, and a slot still leased stays out of use."""
+    p = pool(slots=8, quotas={"a": 4, "b": 4})
+    for tenant, owner in (("a", 1), ("b", 2)):
+        alloc_id, _ = p.allocate(owner, [b"k1", b"k2"], [SLOT] * 2, tenant=tenant)
+        p.commit(owner, alloc_id, [header()] * 2)
+    lease_id, _ = p.lookup(3, [b"k1"], tenant="a")
+    assert p.drop_run("a") == 2
+    assert p.contains([b"k1", b"k2"], tenant="a") == [False, False]
+    assert p.contains([b"k1", b"k2"], tenant="b") == [True, True]
+    assert p.stats("a")["rows_corrupt"] == 2 and p.stats("a")["rows_deleted"] == 0
+    p.release(3, lease_id)
+    p.check()

@@ -7,7 +7,8 @@
 thread (``nixl_agent``) after peer-metadata checks (``nixl_metadata``); ``stats`` holds
 their counters. The peer server is ``server`` (``python -m tiers.remote.server``,
 ``kvtier peer``) with its pool (``pool``), tokens (``auth``) and interface binding
-(``net_iface``).
+(``net_iface``); its rows move in one worker process per tenant (``served_memory``,
+``tenant_worker``, over ``worker_link``), bound to the client's process (``socket_owner``).
 
 The tier is imported lazily (module ``__getattr__``): NIXL is an import of ``tier``, and
 ``offload/config.py`` reads ``protocol`` (tenant names) where NIXL need not be present.

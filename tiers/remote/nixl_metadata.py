@@ -9,7 +9,8 @@ u64 length, value, '|'``, in a fixed order), every length inside the blob, small
 kvtier client's agent name, a UCX backend, host memory only, and a registered region that
 holds the probe bytes the client announced. Anything else is refused, never half-parsed. It
 does not look inside the UCX worker address (an opaque blob), so it narrows what reaches
-NIXL; it cannot prove NIXL safe from every blob (``docs/threat-model.md``).
+NIXL; it cannot prove NIXL safe from every blob, which is why the blob reaches NIXL only in
+the tenant's own worker process (``tenant_worker.py``, ``docs/threat-model.md``).
 
 Pure Python, no NIXL import: testable alone.
 """

@@ -330,6 +330,19 @@ class PeerPool:
             counters.rows_deleted -= dropped
             counters.rows_corrupt += dropped
 
+    def drop_run(self, run: str) -> int:
+        """Forget every stored row in run ``run`` (a tenant's quota; ``""`` without quotas):
+        their bytes are gone (the tenant worker that held them ended). Counted as corrupt;
+        how many."""
+        lost: dict[str, list[bytes]] = {}
+        for index_key, entry in self._index.items():
+            if self._run_of[entry[0]] == run:
+                tenant = _tenant_of(index_key)
+                lost.setdefault(tenant, []).append(index_key[len(tenant) + 1 :])
+        for tenant, keys in lost.items():
+            self.drop_corrupt(keys, tenant)
+        return sum(len(keys) for keys in lost.values())
+
     def drop_owner(self, owner: int) -> None:
         """A connection closed: its pending writes and its reads are over."""
         for alloc_id in list(self._owner_allocs.get(owner, ())):

@@ -6,11 +6,15 @@
 the one tenant it authenticated as, in that tenant's namespace and quota. The threat model
 (who may reach what, what each transport enforces) is ``docs/threat-model.md``.
 
-The pool is one buffer, pre-faulted and registered with NIXL once for the life of the
-process, cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of every
-KV group share the slots, a smaller row uses the head of its slot). Fixed slots keep a
-slot's address a multiplication and make eviction a one-for-one swap; vLLM pads every
-group's page to one size anyway, so little is wasted.
+The pool is cut into fixed-size slots of ``--row-bytes`` (the largest row served; rows of
+every KV group share the slots, a smaller row uses the head of its slot), one run per tenant.
+Fixed slots keep a slot's address a multiplication and make eviction a one-for-one swap; vLLM
+pads every group's page to one size anyway, so little is wasted. This process keeps the index
+(``pool.py``) but never holds a row and never loads a client's NIXL metadata: each tenant's
+**worker** process (``tiers/remote/served_memory.py``, ``tenant_worker.py``) holds its
+tenant's run of slots, registers it with its own NIXL agent, and moves and verifies that
+tenant's rows; a worker that crashes on hostile metadata, or stalls past a deadline and is
+killed, ends only its tenant's connections and rows.
 
 **The peer initiates every transfer** (``tiers/remote/protocol.py``): a client announces its
 own NIXL agent (metadata checked by ``tiers/remote/nixl_metadata.py``, then proven its own by
@@ -18,9 +22,11 @@ a probe read) and names, per request, the addresses of its rows; the peer READs 
 into slots it allocated for that tenant and WRITEs a get's rows from the slots it looked
 up, then answers. No client ever receives the pool's address, a slot number or the peer's
 NIXL metadata, so no client reaches a row it was not granted, or any other memory of this
-process, through NIXL, on any transport (``docs/threat-model.md`` says what remains). The
-agent lives on a thread of its own (``AgentThread``); with no transfer in flight it sleeps,
-so an idle peer costs no CPU however many clients are connected. The control plane runs on
+process, through NIXL, on any transport (``docs/threat-model.md`` says what remains). A
+client on this host must also reach, through its agent, the process that holds its connection
+(``socket_owner.py``). A worker's agent lives on a thread of its own (``AgentThread``); with no
+transfer in flight it sleeps, so an idle peer costs almost no CPU however many clients are
+connected. This process is non-dumpable. The control plane runs on
 one uvloop event loop: handshake, put (read, then commit), get, contains, delete, stats;
 puts and gets of one connection run concurrently (``MAX_TRANSFERS_PER_CONNECTION``). A
 transfer that fails or runs past the client's budget is answered ``TRANSFER_FAILED`` and
@@ -61,21 +67,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import uvloop
 
 from policies import make_policy
 from tiers.address import Address
 from tiers.base import Stats
-from tiers.fast_checksum import checksum_at
 from tiers.remote import protocol as proto
 from tiers.remote.auth import Credentials, read_token_file
 from tiers.remote.fair_share import Busy, TenantShares
 from tiers.remote.net_iface import bind_ucx_to
-from tiers.remote.nixl_agent import AgentThread, TransferTimeout, descriptors, quietly, settle
 from tiers.remote.nixl_metadata import MetadataError, check_client_metadata
 from tiers.remote.peer_metrics import PeerSnapshot, TransferRecord, take_snapshot
 from tiers.remote.pool import PeerPool, PoolLimitError, UnknownAllocation
+from tiers.remote.served_memory import ServedMemory, TransferFailed, make_undumpable
+from tiers.remote.socket_owner import owner_pids
 from tiers.row_format import RowHeader
 from tiers.sizes import parse_size
 
@@ -99,9 +104,6 @@ class ServerCounters(Stats):
     transfers: TransferRecord = field(default_factory=TransferRecord)  # answered: counts, bytes, seconds
 
 
-HUGE_PAGE = 2 << 20
-PROBES = 64
-"""Probe reads that may run at once (one per handshake in progress); more wait their turn."""
 HANDSHAKE_TIMEOUT_S = 3.0
 MAX_UNAUTHENTICATED_PER_SOURCE = 16
 MAX_UNAUTHENTICATED = 512
@@ -126,7 +128,6 @@ GET_PART_BYTES = 2 << 20
 while its rows are still in cache (xxh3 ran at about twice its DRAM speed on cached rows)."""
 REPLY_MARGIN_S = 0.01
 """A transfer ends this long before the client's budget runs out, so the answer can reach it."""
-AGENT_START_S = 30.0
 SWEEP_S = 1.0
 """Expired allocations and leases are taken back this often, or four times per the shorter
 TTL if that is more often (TTLs are safety nets: a late sweep only holds slots longer)."""
@@ -150,15 +151,6 @@ class Refused(Exception):
     def __init__(self, code: proto.ErrorCode, text: str) -> None:
         super().__init__(text)
         self.code = code
-
-
-class TransferFailed(Exception):
-    """The peer's READ or WRITE of a client's rows failed (``timed_out``: ran out of the
-    client's budget): answered, then the connection closes."""
-
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -193,108 +185,6 @@ class PeerSettings:
         return max(1, self.max_connections // max(1, len(self.credentials.tenants)))
 
 
-class ServedMemory:
-    """The slots in one buffer, registered with NIXL once, and the peer's NIXL agent.
-
-    Only this process's agent ever addresses the slots: it READs and WRITEs them against
-    clients' registered rows (``transfer``). Nothing about the buffer (address, keys,
-    metadata) is sent anywhere. After the slots come ``PROBES`` small landing areas for the
-    probe reads of handshakes in progress.
-
-    A numpy allocation (numpy asks for transparent huge pages), 2 MiB aligned, every page
-    faulted in at start rather than during a client's first transfer. Alignment is a
-    measured matter: a CMA copy between buffers whose addresses differ mod 64 runs at about
-    half speed, and host tiers are torch allocations (aligned), so slots are too.
-    """
-
-    def __init__(self, num_slots: int, slot_bytes: int, agent_name: str) -> None:
-        self.slot_bytes = slot_bytes
-        pool_bytes = num_slots * slot_bytes
-        self.buffer = np.zeros(pool_bytes + PROBES * proto.PROBE_BYTES + HUGE_PAGE, dtype=np.uint8)
-        self.buffer[::4096] = 0  # fault every page in now
-        offset = -self.buffer.ctypes.data % HUGE_PAGE
-        self._region = self.buffer[offset : offset + pool_bytes + PROBES * proto.PROBE_BYTES]
-        self.pool_addr = self._region.ctypes.data
-        self._probe_offset = pool_bytes
-        self._free_probes = asyncio.Queue[int]()
-        for i in range(PROBES):
-            self._free_probes.put_nowait(i)
-        self.agent = AgentThread(agent_name)  # a get's parts are verified beside the copies
-        self._registration = None
-
-    async def start(self) -> None:
-        await self.agent.start(AGENT_START_S)
-        region = (self.pool_addr, self._region.nbytes, 0, "")
-        self._registration = await self.agent.call(
-            lambda a: a.register_memory([region], "DRAM"), AGENT_START_S
-        )
-
-    def close(self) -> None:
-        self.agent.close()
-
-    def slot_addr(self, slot: int) -> int:
-        return self.pool_addr + slot * self.slot_bytes
-
-    def checksum(self, slot: int, length: int) -> int:
-        """xxh3 of a slot's first ``length`` bytes (releases the GIL; any thread)."""
-        at = slot * self.slot_bytes
-        return checksum_at(memoryview(self._region[at : at + length]), self.pool_addr + at)
-
-    async def load(self, metadata: bytes, timeout: float) -> str:
-        """Load a client's (checked) metadata; the name of its agent."""
-        raw = await self.agent.call(lambda a: a.add_remote_agent(metadata), timeout)
-        return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-    def forget(self, name: str) -> None:
-        """Drop a client's agent, after whatever is queued towards it."""
-        self.agent.submit(lambda a: quietly(a.remove_remote_agent, name))
-
-    async def transfer(
-        self,
-        op: str,
-        name: str,
-        slot_addrs: list[int],
-        client_addrs: list[int],
-        lengths: list[int],
-        deadline: float,
-        *,
-        part_sizes: list[int] | None = None,
-        after: Callable[[int], Any] | None = None,
-    ) -> list[Any]:
-        """READ (client rows -> slots) or WRITE (slots -> client rows): one NIXL request per
-        part (``part_sizes`` rows each; one part by default), ``after(k)`` as part ``k`` lands
-        (``AgentThread.transfer``). By ``deadline`` each part's ``after`` result, or
-        ``TransferFailed`` (and no request of it is in flight any more)."""
-        sizes = part_sizes or [len(lengths)]
-        future = self.agent.transfer(
-            op,
-            descriptors(slot_addrs, lengths),
-            descriptors(client_addrs, lengths),
-            sizes,
-            name,
-            deadline,
-            after=after,
-        )
-        outcomes = await settle(future, deadline, len(sizes))
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise TransferFailed(str(outcome), timed_out=isinstance(outcome, TransferTimeout))
-        return outcomes
-
-    async def read_probe(self, name: str, probe_addr: int, deadline: float) -> bytes:
-        """The client's ``PROBE_BYTES`` at ``probe_addr``, read into a landing area of ours."""
-        index = await asyncio.wait_for(self._free_probes.get(), max(0.0, deadline - time.monotonic()))
-        try:
-            at = self._probe_offset + index * proto.PROBE_BYTES
-            self._region[at : at + proto.PROBE_BYTES] = 0
-            await self.transfer(
-                "READ", name, [self.pool_addr + at], [probe_addr], [proto.PROBE_BYTES], deadline
-            )
-            return self._region[at : at + proto.PROBE_BYTES].tobytes()
-        finally:
-            self._free_probes.put_nowait(index)
-
-
 class PeerServer:
     """The control plane of one peer: connections, handshake, requests, expiry."""
 
@@ -315,7 +205,12 @@ class PeerServer:
             lease_ttl_s=settings.lease_ttl_s,
             quotas=settings.credentials.quotas(num_slots),
         )
-        self.memory = ServedMemory(num_slots, settings.row_bytes, f"kvtier-peer-{self.instance_id.hex()}")
+        self.memory = ServedMemory(
+            self.pool.ranges,
+            settings.row_bytes,
+            shared=self.pool.quotas is None,
+            on_rows_lost=self._rows_lost,
+        )
         self._conn_ids = itertools.count(1)
         self._connections: dict[int, asyncio.StreamWriter] = {}  # authenticated
         self._tenant_connections: Counter[str] = Counter()  # authenticated, per tenant
@@ -327,13 +222,13 @@ class PeerServer:
         self.counters = ServerCounters()
 
     async def serve(self, ready: asyncio.Future[tuple[str, int]], stop: asyncio.Event) -> None:
-        await self.memory.start()
         try:
+            await self.memory.start()
             server = await asyncio.start_server(
                 self._on_connection, self.settings.host, self.settings.port, limit=proto.MAX_FRAME + 64
             )
         except BaseException:
-            self.memory.close()
+            await self.memory.close()
             raise
         host, port = server.sockets[0].getsockname()[:2]
         ready.set_result((host, port))
@@ -349,7 +244,13 @@ class PeerServer:
             await asyncio.gather(sweeping, *self._handlers, return_exceptions=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
-            await asyncio.to_thread(self.memory.close)
+            await self.memory.close()
+
+    def _rows_lost(self, run: str) -> None:
+        """A tenant worker ended, and the rows it held with it: forget them."""
+        lost = self.pool.drop_run(run)
+        if lost:
+            log.warning("forgot %d rows of slot range %r: their tenant worker ended", lost, run)
 
     async def _sweep(self) -> None:
         interval = min(SWEEP_S, self.settings.alloc_ttl_s / 4, self.settings.lease_ttl_s / 4)
@@ -389,7 +290,7 @@ class PeerServer:
             self.counters.connections += 1
             welcome = proto.Welcome(self.instance_id, self.pool.slot_bytes, num_slots)
             await self._send(writer, session, proto.Msg.WELCOME, 0, proto.encode_welcome(welcome))
-            agent = await self._load_agent(conn_id, session, reader, writer, peername)
+            agent = await self._load_agent(conn_id, tenant, session, reader, writer, peername)
             if agent is None:
                 return
             await self._requests(conn_id, tenant, agent, session, reader, writer)
@@ -486,6 +387,7 @@ class PeerServer:
     async def _load_agent(
         self,
         conn_id: int,
+        tenant: str,
         session: proto.Session,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
@@ -508,12 +410,16 @@ class PeerServer:
         self._agents[name] = conn_id  # held while it loads: a second claim to the name is refused
         ready = False
         try:
-            loaded = await self.memory.load(metadata, timeout)
+            loaded = await self.memory.load(tenant, metadata, time.monotonic() + timeout, writer.close)
             if loaded != name:
                 raise MetadataError(f"NIXL loaded agent {loaded!r}, the metadata names {name!r}")
             got = await self.memory.read_probe(name, probe_addr, time.monotonic() + timeout)
             if not proto.macs_equal(session.probe_value, got):
                 raise MetadataError("its probe bytes do not hold this session's value")
+            owners = await asyncio.to_thread(owner_pids, writer.get_extra_info("socket"))
+            if owners is not None:  # a client on this host: its agent must reach its own process
+                deadline = time.monotonic() + timeout
+                await self.memory.bind(name, sorted(owners), probe_addr, session.probe_value, deadline)
             ready = True
         except Exception as exc:
             return self._refuse_agent(peername, exc)
@@ -645,11 +551,11 @@ class PeerServer:
         **parts: Any,
     ) -> list[Any]:
         """``memory.transfer`` of rows ``idxs`` of a request, row ``i`` to or from slot
-        ``slots[i]``, by the request's deadline (``parts``: ``part_sizes`` and ``after``)."""
+        ``slots[i]``, by the request's deadline (``parts``: ``part_sizes`` and ``checksums``)."""
         return await self.memory.transfer(
             op,
             agent,
-            [self.memory.slot_addr(slots[i]) for i in idxs],
+            [slots[i] for i in idxs],
             [rows.addrs[i] for i in idxs],
             [rows.lengths[i] for i in idxs],
             rows.deadline,
@@ -693,12 +599,7 @@ class PeerServer:
             if writes:
                 parts = _cut(writes, lengths, GET_PART_BYTES)
                 slots = {i: entries[i][0] for i in writes}  # type: ignore[index]
-
-                def verify(k: int) -> list[bool]:  # pure: it may run twice for a part
-                    return [
-                        self.memory.checksum(slots[i], lengths[i]) == parsed[i].checksum for i in parts[k]
-                    ]
-
+                verify = [parsed[i].checksum for part in parts for i in part]  # in the tenant's worker
                 verdicts = await self._move(
                     "WRITE",
                     agent,
@@ -706,7 +607,7 @@ class PeerServer:
                     slots,
                     writes,
                     part_sizes=[len(part) for part in parts],
-                    after=verify,
+                    checksums=verify,
                 )
                 corrupt = []
                 for part, good in zip(parts, verdicts, strict=True):
@@ -986,7 +887,8 @@ async def run(settings: PeerSettings, on_ready: StatsHook | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
-    bind_ucx_to(settings.host)  # before the agent exists: UCX reads it when it starts
+    make_undumpable()  # no process of this user reaches the tokens or the sessions without CAP_SYS_PTRACE
+    bind_ucx_to(settings.host)  # tenant workers inherit it: UCX reads it when their agents start
     server = PeerServer(settings)
     ready: asyncio.Future[tuple[str, int]] = loop.create_future()
     serving = asyncio.create_task(server.serve(ready, stop))
