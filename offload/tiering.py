@@ -60,10 +60,12 @@ class ChainStats(AskStats):
     promotions_started: int = 0
     promotions_done: int = 0
     promotions_failed: int = 0
+    promotions_refused: int = 0  # lookups left misses: promotions at their bound, or a saturated tier
     spills_started: int = 0
     spills_done: int = 0
     spills_failed: int = 0
     spills_refused: int = 0
+    spills_dropped: int = 0  # write-through copies not started: copies down at their bound
     dirty_dropped: int = 0
 
 
