@@ -287,3 +287,18 @@ def test_one_tier_table_parses_on_its_own_into_its_kinds_settings():
     assert disk == DiskSettings(capacity_bytes=1 << 30, path="/x", admission="seen-twice")
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.placement = 'x': expected one of"):
         parse_tier({"kind": "disk", "path": "/x", "capacity": 1, "placement": "x"}, "tiers[1]")
+
+
+def test_a_disk_tiers_sync_is_a_bool_and_reaches_the_tier(tmp_path):
+    from offload.tier_builder import build_tier
+
+    disk = {"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}
+    base = {"tiers": [{"kind": "host", "capacity": "1MiB"}, disk]}
+    assert parse_config(base).tiers[1].sync is False
+    base["tiers"][1]["sync"] = True
+    disk = parse_config(base).tiers[1]
+    assert disk.sync is True
+    assert build_tier(disk, b"n" * 16, b"l" * 16, 4096).sync is True
+    base["tiers"][1]["sync"] = "yes"
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.sync = 'yes'"):
+        parse_config(base)
