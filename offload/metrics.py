@@ -76,6 +76,9 @@ FAMILIES: dict[str, FamilySpec] = {
     "inflight_rows": FamilySpec(
         "gauge", "Host rows promoting (promote) or being copied down (spill) now.", ("op",)
     ),
+    "tier_pauses": FamilySpec(
+        "counter", "Times a lower tier's promotions were paused: one failed whole after half its deadline."
+    ),
     "inflight_rows_max": FamilySpec(
         "gauge", "The bound on inflight_rows: past it lookups miss and copies down are dropped.", ("op",)
     ),
@@ -186,6 +189,7 @@ def manager_families(
         families["spills"].add(chain.spills_dropped, "dropped")
         families["spills"].add(chain.dirty_dropped, "evicted_dirty")
         families["promotions"].add(chain.promotions_refused, "refused")
+        families["tier_pauses"].add(chain.tier_pauses)
         families["inflight_rows"].add(manager.promoting_rows(), "promote")
         families["inflight_rows"].add(manager.spilling_rows(), "spill")
         families["inflight_rows_max"].add(manager.max_promoting_rows, "promote")

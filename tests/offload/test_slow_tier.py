@@ -136,3 +136,35 @@ def test_promotions_from_a_slow_tier_are_bounded_and_the_rest_are_misses(offload
     offloader.wait_tiers()
     assert [manager.lookup(key) for key in keys[:3]] == [Lookup.HIT] * 3
     assert manager.promoting_rows() == 0
+
+
+def test_a_tier_slower_than_its_deadline_is_paused_and_its_lookups_miss(offloader_of):
+    offloader, _ = offloader_of(4, "write-through")
+    manager = offloader.manager
+    keys = keys_for("pause", 8)
+    store_one_by_one(offloader, keys)
+    offloader.wait_tiers()  # keys[:4] on disk only
+    disk = manager.lower.tiers[0]
+    calls: list[int] = []
+
+    async def failing_get(rows, layouts=None) -> list[bool]:  # as a tier past its deadline
+        calls.append(len(rows))
+        return [False] * len(rows)
+
+    disk.get = failing_get
+    manager.lower.slow_get_s = 0.0  # every whole failure counts as slow (no timed waits here)
+    assert manager.lookup(keys[0]) is Lookup.HIT_PENDING
+    manager.on_schedule_end()
+    offloader.wait_tiers()
+    assert calls == [1]
+    assert manager.lower.stats.tier_pauses == 1
+    refused = manager.lower.stats.promotions_refused
+    assert manager.lookup(keys[1]) is Lookup.MISS  # not sent to the paused tier: computed
+    manager.on_schedule_end()
+    offloader.wait_tiers()
+    assert calls == [1]
+    assert manager.lower.stats.promotions_refused == refused + 1
+    assert "kvtier_tier_pauses_total 1" in offloader.metrics_text()
+    manager.lower.pause_s = 0.0
+    manager.lower._paused_until.clear()  # the pause is over: promoted again
+    assert manager.lookup(keys[1]) is Lookup.HIT_PENDING
