@@ -162,7 +162,7 @@ def print_rows(results: list[dict[str, Any]]) -> None:
     print(
         f"\n  {'round':>5} {'row':6} {'mean s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'req/s':>6}"
         f" {'TTFT x':>7} {'req/s x':>7} {'kvtier tok':>10} {'promo refused':>13} {'spills dropped':>14}"
-        f" {'dirty evicted':>13} {'spill refused':>13}"
+        f" {'dirty evicted':>13} {'spill refused':>13} {'pauses':>6}"
     )
     for r in results:
         lower = r["kvtier_stats"].get("lower", {})
@@ -172,7 +172,7 @@ def print_rows(results: list[dict[str, Any]]) -> None:
             f" {r.get('ttft_vs_vllm', 1.0):7.2f} {r.get('throughput_vs_vllm', 1.0):7.2f}"
             f" {r['kvtier_tokens']:10d} {lower.get('promotions_refused', 0):13d}"
             f" {lower.get('spills_dropped', 0):14d} {lower.get('dirty_dropped', 0):13d}"
-            f" {lower.get('spills_refused', 0):13d}"
+            f" {lower.get('spills_refused', 0):13d} {lower.get('tier_pauses', 0):6d}"
         )
 
 
