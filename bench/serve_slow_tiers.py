@@ -142,6 +142,7 @@ def run_row(
         engine.generate([document(-7, 64)], max_tokens=2)  # warm-up: tokens no request holds
         answer = engine.timed(requests)
         stats = engine.kvtier_stats()
+        peak_rss = _peak_rss(engine.process.pid)
     ttft = [o.ttft_s for o in answer["outputs"]]
     return {
         "row": row,
@@ -154,15 +155,25 @@ def run_row(
         "kvtier_tokens": sum(o.external_cached_tokens or 0 for o in answer["outputs"]),
         "device_tokens": sum(o.num_cached_tokens for o in answer["outputs"]),
         "steps_waiting_on_loads": answer["steps_waiting_on_loads"],
+        "peak_rss_bytes": peak_rss,
         "kvtier_stats": stats,
     }
+
+
+def _peak_rss(pid: int) -> int:
+    """The engine process's peak resident memory (``VmHWM``), bytes; 0 where unknown."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def print_rows(results: list[dict[str, Any]]) -> None:
     print(
         f"\n  {'round':>5} {'row':6} {'mean s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'req/s':>6}"
         f" {'TTFT x':>7} {'req/s x':>7} {'kvtier tok':>10} {'promo refused':>13} {'spills dropped':>14}"
-        f" {'dirty evicted':>13} {'spill refused':>13} {'pauses':>6}"
+        f" {'dirty evicted':>13} {'spill refused':>13} {'pauses':>6} {'peak RSS MiB':>12}"
     )
     for r in results:
         lower = r["kvtier_stats"].get("lower", {})
@@ -173,6 +184,7 @@ def print_rows(results: list[dict[str, Any]]) -> None:
             f" {r['kvtier_tokens']:10d} {lower.get('promotions_refused', 0):13d}"
             f" {lower.get('spills_dropped', 0):14d} {lower.get('dirty_dropped', 0):13d}"
             f" {lower.get('spills_refused', 0):13d} {lower.get('tier_pauses', 0):6d}"
+            f" {r['peak_rss_bytes'] / (1 << 20):12.0f}"
         )
 
 
