@@ -404,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench import serve_pd
 
         return serve_pd.main([arg for arg in given if arg != "--pd"])
+    for flag, module in (("--hit-gap", "serve_hit_gap"), ("--slow-tiers", "serve_slow_tiers")):
+        if flag in given:  # a row set of its own (bench.serve_hit_gap, bench.serve_slow_tiers)
+            if missing:
+                print(f"kvtier bench serve {flag} runs a real vLLM engine: {missing}", file=sys.stderr)
+                return 2
+            return importlib.import_module(f"bench.{module}").main([arg for arg in given if arg != flag])
     args = parse_args(argv)
     if missing:
         print(f"kvtier bench serve runs a real vLLM engine: {missing}", file=sys.stderr)

@@ -146,7 +146,9 @@ class EngineProcess:
     def timed(self, requests: list[dict[str, Any]], timeout_s: float = 3600.0) -> dict[str, Any]:
         """``requests`` in arrival order: ``{"arrival_s", "prompt", "max_tokens"}`` each, arrival
         in seconds from the run's start; or, with ``"after_finish": true``, ``arrival_s`` after
-        every earlier request has finished (a closed loop: a user who reads, then asks again).
+        every earlier request has finished (a closed loop: a user who reads, then asks again);
+        or, with ``"max_in_flight": n``, as soon as fewer than ``n`` are unfinished (a client
+        at concurrency ``n``, as ``vllm bench serve --max-concurrency``).
         The answer: ``outputs`` (``Completion``\\ s with ``arrival_s``, ``ttft_s``, ``finish_s``),
         ``steps``, ``steps_waiting_on_loads`` and ``wall_s``."""
         answer = self.call({"op": "timed", "requests": requests}, timeout_s)
@@ -322,6 +324,10 @@ class _Child:
 
         def due(request: dict[str, Any]) -> float | None:
             """When ``request`` arrives (seconds from the start); None: not before a finish."""
+            if request.get("max_in_flight"):  # a client holding that many requests open
+                if engine.get_num_unfinished_requests() >= request["max_in_flight"]:
+                    return None
+                return 0.0
             if not request.get("after_finish"):
                 return request["arrival_s"]
             if engine.has_unfinished_requests():

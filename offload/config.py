@@ -146,7 +146,7 @@ _LOWER_KEYS = {"placement", "admission", "promotion"}
 _NETWORK_KEYS = {"deadline_s", "lookup_wait_s"}
 _KIND_KEYS = {
     "host": set(),
-    "disk": {"path"} | _LOWER_KEYS,
+    "disk": {"path", "sync"} | _LOWER_KEYS,
     "remote": {"peers", "token_file", "peer_tenant", "checksum_thread"} | _LOWER_KEYS | _NETWORK_KEYS,
     "mooncake": {
         "master",
@@ -271,7 +271,10 @@ def _parse_disk(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> D
     path = raw.get("path")
     if not isinstance(path, str) or not path or "\0" in path:
         raise ConfigError(f"{where}.path = {path!r}: the disk tier needs a directory path")
-    return DiskSettings(**common, path=path)
+    sync = raw.get("sync", False)
+    if not isinstance(sync, bool):
+        raise ConfigError(f"{where}.sync = {sync!r}: expected true or false")
+    return DiskSettings(**common, path=path, sync=sync)
 
 
 def _parse_remote(raw: Mapping[str, Any], where: str, common: dict[str, Any]) -> RemoteSettings:

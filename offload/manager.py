@@ -93,6 +93,26 @@ trace with 8,192 / 18,279 host rows, driven as vLLM drives the manager but never
 step, the hit ratio fell from 0.108 / 0.216 to 0.047 / 0.139 and calls/s 25-80x; bounded,
 0.110 / 0.216, the calls/s of a caller that ends its steps within noise."""
 
+PROMOTING_MAX_SHARE = 1 / 4
+PROMOTING_MIN = 256
+"""At most this share of the host rows (or ``PROMOTING_MIN`` where that is more, up to every
+row) is promoting at once; a lookup past the bound is a ``MISS`` (the request
+computes the block), counted in ``ChainStats.promotions_refused``. A promotion holds a host
+row unreadable and unevictable until its slow tier answers: unbounded, every waiting
+request's lookups promoted (vLLM #49902's storm) and a slow tier's promotions could fill the
+host tier, refusing every store. The floor is a long prompt's worth (4,096 tokens of 16-token
+blocks)."""
+
+SPILLING_MAX_SHARE = 1 / 8
+SPILLING_MIN = 16
+"""At most this share of the host rows (or ``SPILLING_MIN`` where that is more) is being copied
+down at once. A copy down holds its row unevictable until the tier below answers; past the
+bound a write-through copy is dropped (``ChainStats.spills_dropped``) and a write-back one is
+not started (the row stays dirty, is tried again as copies finish, and is counted in
+``dirty_dropped`` if it is evicted first). Unbounded (only the tier engine's 64 operations per
+tier, of any size), a slow tier's copies could hold every host row, so that every store of the
+engine was refused while it wrote."""
+
 
 class Lookup(enum.Enum):
     """What ``lookup`` found for a key."""
@@ -196,7 +216,11 @@ class HostTierManager:
         lower: LowerTierChain | None = None,
         host_row: Callable[[int, int], memoryview] | None = None,
         writeback_window: int | None = None,
+        max_promoting_rows: int | None = None,
+        max_spilling_rows: int | None = None,
     ) -> None:
+        """``max_promoting_rows`` / ``max_spilling_rows``: rows promoting / being copied down at
+        once (default: ``PROMOTING_*`` / ``SPILLING_*`` of the host rows)."""
         if (lower is None) != (host_row is None):
             raise ValueError("lower tiers need host_row, and host_row is only for lower tiers")
         if num_groups < 1 or slots_per_group < 1:
@@ -233,6 +257,14 @@ class HostTierManager:
         self._last_lookup: dict[int, OffloadKey] = {}  # per group: a promoted key's likely parent
         self._last_touched: Sequence[OffloadKey] = ()  # this step's last loaded keys
         self._writeback_window = writeback_window or max(16, slots_per_group // 8)
+        rows = num_groups * slots_per_group
+        self.max_promoting_rows = max_promoting_rows or min(
+            rows, max(PROMOTING_MIN, int(rows * PROMOTING_MAX_SHARE))
+        )
+        self.max_spilling_rows = max_spilling_rows or max(SPILLING_MIN, int(rows * SPILLING_MAX_SHARE))
+        if self.max_promoting_rows < 1 or self.max_spilling_rows < 1:
+            raise ValueError("max_promoting_rows and max_spilling_rows must be positive")
+        self._spilling = 0  # copies down in flight, a row once per tier it is copied to
         self._lookup_host: Callable[[OffloadKey], Lookup] = self._host_lookup(_HIT, _MISS, _PENDING)
         if not self.lower.tiers:
             # Host only: nothing below to apply, promote, ask or count for admission. Bound
@@ -305,6 +337,9 @@ class HostTierManager:
         (only tiers in ``below``, unless it is ``None``)."""
         lower = self.lower
         tier = lower.locate(key, below)
+        if tier is not None and len(self._promoting) >= self.max_promoting_rows:
+            lower.stats.promotions_refused += 1  # the request computes it: never waits on a backlog
+            return Lookup.MISS
         if tier is not None and self._promote(key, tier):
             self._last_lookup[key_group(key)] = key
             self.stats.pending += 1
@@ -681,6 +716,14 @@ class HostTierManager:
     def shutdown(self) -> None:
         self.lower.close()
 
+    def promoting_rows(self) -> int:
+        """Host rows a lower tier is copying up now (at most ``max_promoting_rows``)."""
+        return len(self._promoting)
+
+    def spilling_rows(self) -> int:
+        """Copies down in flight now, a row once per tier (at most ``max_spilling_rows``)."""
+        return self._spilling
+
     def contains(self, key: OffloadKey) -> bool:
         return key in self._slots
 
@@ -811,6 +854,8 @@ class HostTierManager:
 
     def _drop_refused(self, keys: Sequence[bytes]) -> None:
         """Free the rows of promotions their tier refused (saturated): those keys stay misses."""
+        if keys:
+            self.lower.stats.promotions_refused += len(keys)
         for key in keys:
             key = OffloadKey(key)
             self._policies[key_group(key)].on_remove(key)
@@ -846,13 +891,23 @@ class HostTierManager:
             self.stats.quarantined_slots -= 1
 
     def _copy_down(self, keys: Sequence[OffloadKey], *, on_evict: bool) -> None:
-        """Start copying host rows to the tiers that take them (write-back or write-through)."""
+        """Start copying host rows to the tiers that take them (write-back or write-through),
+        as many as ``max_spilling_rows`` allows: past it, write-through copies are dropped
+        (counted) and write-back rows stay dirty (tried again when copies finish)."""
+        room = self.max_spilling_rows - self._spilling
+        if len(keys) > room:
+            if not on_evict:
+                self.lower.stats.spills_dropped += len(keys) - max(room, 0)
+            keys = keys[: max(room, 0)]
+        if not keys:
+            return
         copying, unwanted = self.lower.spill(keys, self._row_bytes, on_evict=on_evict)
         if on_evict:  # rows not admitted below: nothing to keep them dirty for
             self._dirty.difference_update(map(OffloadKey, unwanted))
         readers = self._readers
         for key in map(OffloadKey, copying):
             readers[key] = readers.get(key, 0) + 1
+        self._spilling += len(copying)
 
     def _row_bytes(self, key: bytes) -> memoryview:
         assert self._host_row is not None
@@ -867,6 +922,8 @@ class HostTierManager:
             key = OffloadKey(key)
             # An abandoned copy may still read the row: its read stays counted.
             released = not result.abandoned and _release(self._readers, key)
+            if released:
+                self._spilling -= 1
             if released and write_back:
                 self._dirty.discard(key)  # copied, or failed and not worth retrying
             if ok:
@@ -878,6 +935,8 @@ class HostTierManager:
             return
         window = self._writeback_window + extra
         for policy in self._policies:
+            if self._spilling >= self.max_spilling_rows:
+                return  # the rows stay dirty: tried again when copies finish
             candidates = []
             for key in islice(iter(policy), window):
                 if key in self._dirty and key not in self._unready and key not in self._readers:

@@ -62,9 +62,26 @@ FAMILIES: dict[str, FamilySpec] = {
         "counter", "Host-tier lookups told to come back while peers were asked (lookup_wait_s)."
     ),
     "promotions": FamilySpec(
-        "counter", "Rows copied up from a lower tier into the host tier, by result.", ("result",)
+        "counter",
+        "Rows copied up from a lower tier into the host tier, by result (refused: lookups left"
+        " misses, promotions at their bound or the tier saturated).",
+        ("result",),
     ),
-    "spills": FamilySpec("counter", "Rows copied down from the host tier, by result.", ("result",)),
+    "spills": FamilySpec(
+        "counter",
+        "Rows copied down from the host tier, by result (dropped: copies at their bound;"
+        " evicted_dirty: write-back rows evicted before they reached their tier).",
+        ("result",),
+    ),
+    "inflight_rows": FamilySpec(
+        "gauge", "Host rows promoting (promote) or being copied down (spill) now.", ("op",)
+    ),
+    "tier_pauses": FamilySpec(
+        "counter", "Times a lower tier's promotions were paused: one failed whole after half its deadline."
+    ),
+    "inflight_rows_max": FamilySpec(
+        "gauge", "The bound on inflight_rows: past it lookups miss and copies down are dropped.", ("op",)
+    ),
     "rows": FamilySpec("gauge", "Rows a tier holds now.", ("tier",)),
     "capacity_bytes": FamilySpec("gauge", "Bytes a tier may hold.", ("tier",)),
     "load_latency_seconds": FamilySpec(
@@ -169,6 +186,14 @@ def manager_families(
         families["spills"].add(chain.spills_done, "done")
         families["spills"].add(chain.spills_failed, "failed")
         families["spills"].add(chain.spills_refused, "refused")
+        families["spills"].add(chain.spills_dropped, "dropped")
+        families["spills"].add(chain.dirty_dropped, "evicted_dirty")
+        families["promotions"].add(chain.promotions_refused, "refused")
+        families["tier_pauses"].add(chain.tier_pauses)
+        families["inflight_rows"].add(manager.promoting_rows(), "promote")
+        families["inflight_rows"].add(manager.spilling_rows(), "spill")
+        families["inflight_rows_max"].add(manager.max_promoting_rows, "promote")
+        families["inflight_rows_max"].add(manager.max_spilling_rows, "spill")
         for tier in lower.tiers:
             tier_stats = tier.stats()
             kind = tier.kind

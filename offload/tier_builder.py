@@ -39,7 +39,9 @@ def build_tier(
     if isinstance(tier, DiskSettings):
         from tiers.disk import DiskTier
 
-        return DiskTier(tier, namespace, layout_id, row_bytes=row_bytes, readable_layouts=readable_layouts)
+        return DiskTier(
+            tier, namespace, layout_id, row_bytes=row_bytes, readable_layouts=readable_layouts, sync=tier.sync
+        )
     if isinstance(tier, RemoteSettings):
         from tiers.remote import RemoteTier
 

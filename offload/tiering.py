@@ -53,6 +53,14 @@ come up once, from a flaky peer or a corrupt file, would likely fail again)."""
 FAILED_PROMOTIONS_KEPT = 1 << 16
 """How many failed promotions are remembered (the oldest forgotten first)."""
 
+SLOW_TIER_PAUSE_S = 10.0
+"""A tier whose promotion failed whole and slowly (every key, after at least half the tier
+engine's deadline: the tier is slower than its deadline, not missing a row) promotes nothing
+for this long: its lookups are misses (``promotions_refused``), so requests compute instead of
+waiting out the deadline again. Measured before it (``kvtier bench serve --slow-tiers``, a
+peer behind 20 mbit/s): 187-259 promotions per run failed at the 2 s deadline, each one a
+request held that long."""
+
 
 @dataclass
 class ChainStats(AskStats):
@@ -61,10 +69,13 @@ class ChainStats(AskStats):
     promotions_started: int = 0
     promotions_done: int = 0
     promotions_failed: int = 0
+    promotions_refused: int = 0  # lookups left misses: promotions at their bound, a saturated or paused tier
+    tier_pauses: int = 0  # a tier's promotions paused: one failed whole, slowly (SLOW_TIER_PAUSE_S)
     spills_started: int = 0
     spills_done: int = 0
     spills_failed: int = 0
     spills_refused: int = 0
+    spills_dropped: int = 0  # write-through copies not started: copies down at their bound
     dirty_dropped: int = 0
 
 
@@ -129,6 +140,9 @@ class LowerTierChain:
         self.asks = PeerAsks(engine, partial, self._next_op_id, lookup_wait_s=lookup_wait_s, stats=self.stats)
         self._promotions: dict[int, list[Row]] = {}  # per tier: queued until send
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # key -> when its promotion failed
+        self.slow_get_s = engine.deadline_s / 2 if hasattr(engine, "deadline_s") else 1.0
+        self.pause_s = SLOW_TIER_PAUSE_S
+        self._paused_until: dict[int, float] = {}  # tier -> until when it promotes nothing
         self._observers: list[TierObserver] = []
 
     def _next_op_id(self) -> int:
@@ -161,8 +175,20 @@ class LowerTierChain:
             if among is not None and index not in among:
                 continue
             if placement.promote_on_hit() and (known == index or tier.may_contain(key)):
+                if self._paused_until and self._paused(index):
+                    self.stats.promotions_refused += 1  # the tier is slow: compute instead
+                    continue
                 return index
         return None
+
+    def _paused(self, tier: int) -> bool:
+        until = self._paused_until.get(tier)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._paused_until[tier]
+        return False
 
     def failed_lately(self, key: bytes) -> bool:
         """Whether a promotion of ``key`` failed less than ``retry_failed_s`` ago."""
@@ -296,6 +322,8 @@ class LowerTierChain:
                 for key, ok in zip(result.keys, result.ok, strict=True):
                     (landed if ok else failed).append(key)
                 self._promotions_finished(landed, failed)
+                if failed and not landed and result.seconds >= self.slow_get_s:
+                    self._pause(result.tier, result.seconds)
             elif result.kind is OpKind.PUT:
                 done = sum(result.ok)
                 self.stats.spills_done += done
@@ -309,6 +337,19 @@ class LowerTierChain:
                 for observer in self._observers:
                     observer(outcome)
         return results
+
+    def _pause(self, tier: int, seconds: float) -> None:
+        """``tier`` failed a whole promotion after ``seconds``: no promotions from it for
+        ``pause_s`` (``SLOW_TIER_PAUSE_S``)."""
+        if tier not in self._paused_until:
+            log.warning(
+                "%s tier: a promotion failed after %.1f s; promoting nothing from it for %.0f s",
+                self.tier_kind(tier),
+                seconds,
+                self.pause_s,
+            )
+            self.stats.tier_pauses += 1
+        self._paused_until[tier] = time.monotonic() + self.pause_s
 
     def _promotions_finished(self, landed: list[bytes], failed: list[bytes]) -> None:
         self.stats.promotions_done += len(landed)

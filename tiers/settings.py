@@ -70,6 +70,8 @@ class DiskSettings(LowerTierSettings):
     kind: ClassVar[str] = "disk"
     path: str
     admission: str = "seen-twice"
+    sync: bool = False
+    """Flush each batch to the device before its put returns (``DiskTier``'s ``sync``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

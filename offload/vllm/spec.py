@@ -58,6 +58,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         check_vllm_version()  # vLLM's factory builds the spec: say here what is wrong with the install
         super().__init__(config)
         self.settings = SpecSettings.from_extra_config(config.extra_config, model=config.model.name)
+        opt_into_sync_loads(self.extra_config)
         self.layout = HostLayout.from_config(config)
         # Byte-identical ranks (MLA under TP) share one band: only rank 0 writes it.
         self.replicated_layout = config.replicated_layout
@@ -176,3 +177,19 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 caches.device,
             )
         return self._worker
+
+
+SYNC_LOAD_BUDGET_BYTES = 64 << 20
+"""Per engine step (and worker), the bytes of host-tier hits vLLM loads inside the step
+instead of between steps (vLLM 0.33's ``sync_load_budget_bytes``; its own default, 0, turns
+it off). Loaded asynchronously, a hit waits at least one engine step more than a hit of the
+device cache (``tests/vllm/test_sync_load.py``); loaded in the step, it takes the device
+hit's steps, and the step waits for the copy: 64 MiB is a few milliseconds at a host link's
+10-25 GB/s, less than an engine step. Hits beyond it in a step load asynchronously."""
+
+
+def opt_into_sync_loads(extra_config: dict[str, Any]) -> None:
+    """Let vLLM load small host-tier hits within the step (``SYNC_LOAD_BUDGET_BYTES``) unless
+    the user set ``sync_load_budget_bytes`` (0: never). vLLM releases without the key ignore it."""
+    if "sync_load_budget_bytes" not in extra_config:
+        extra_config["sync_load_budget_bytes"] = SYNC_LOAD_BUDGET_BYTES

@@ -319,3 +319,18 @@ def test_a_table_nested_deeper_than_any_configuration_is_a_config_error():
         load_config({"tiers": [{"kind": "host", "capacity": "1GiB", "eviction_params": nested(10_000)}]})
     with pytest.raises(ConfigError, match=r"tiers\[1\]: tables and lists nested"):
         parse_tier({"kind": "disk", "x": nested(40)}, "tiers[1]")  # vLLM's secondary tiers' way in
+
+
+def test_a_disk_tiers_sync_is_a_bool_and_reaches_the_tier(tmp_path):
+    from offload.tier_builder import build_tier
+
+    disk = {"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}
+    base = {"tiers": [{"kind": "host", "capacity": "1MiB"}, disk]}
+    assert parse_config(base).tiers[1].sync is False
+    base["tiers"][1]["sync"] = True
+    disk = parse_config(base).tiers[1]
+    assert disk.sync is True
+    assert build_tier(disk, b"n" * 16, b"l" * 16, 4096).sync is True
+    base["tiers"][1]["sync"] = "yes"
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.sync = 'yes'"):
+        parse_config(base)

@@ -134,9 +134,13 @@ class Engine:
         dtype: str = "float16",
         block_size: int = BLOCK_SIZE,
         connector: str = "OffloadingConnector",
+        sync_loads: bool = False,
     ) -> None:
         """``connector``: ``OffloadingConnector`` (vLLM's, keys are block hashes) or
-        ``KVTierConnector`` (``offload.vllm.connector``: keys are token digests)."""
+        ``KVTierConnector`` (``offload.vllm.connector``: keys are token digests).
+        ``sync_loads``: kvtier's default, vLLM 0.33 loading small hits within the step;
+        off by default here, so that every load goes the asynchronous way, reported in
+        ``finished_recving`` and checked there (``_verify_load``)."""
         self.block_size = block_size
         extra_config: dict[str, Any] = {
             "spec_name": "KVTierOffloadingSpec",
@@ -145,6 +149,7 @@ class Engine:
             "shm_dir": str(shm_dir),
             # The "model" below writes C bytes per token and head: K and V of a token together.
             "kv_page_split": "token",
+            **({} if sync_loads else {"sync_load_budget_bytes": 0}),
             **({"blocks_per_chunk": blocks_per_chunk} if blocks_per_chunk != 1 else {}),
             **({"kvtier_config": kvtier_config} if kvtier_config is not None else {}),
             **(extra or {}),
