@@ -4,7 +4,8 @@ vLLM hands its workers byte pages, not shapes, so the layout is put together fro
 sources that the scheduler and every worker process read the same way:
 
 - ``OffloadingConfig``: the groups (their layers and tokens per block), the chunking
-  (``blocks_per_chunk``), the KV cache dtype, the parallel layout, and the resolved
+  (``blocks_per_chunk``), the KV cache dtype (``model.dtype``: vLLM puts its
+  ``--kv-cache-dtype`` there, the model's dtype only for ``auto``), the parallel layout, and the resolved
   ``kv_cache_layout`` name (``LBNHC``, ``BLHNC``, ...: vLLM's RFC #42082 stride orders of
   the logical ``[L, B, H, N, C]`` cache);
 - the model's ``config.json`` (its KV heads and head size);
@@ -31,7 +32,11 @@ The two readings have other logical shapes, so they never share rows.
 The description is refused (``None``, with the reason logged) wherever the bytes vLLM
 reports do not equal what that shape predicts: several workers' bands in a row (tensor or
 pipeline parallel), padded pages, MLA or quantised caches, layouts with heads outside the
-block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read. It is refused
+block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read, a quantised
+cache (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) on vLLM's CPU attention; and for any KV cache
+dtype whose element size is not known (vLLM's per-token-head and 4-bit caches, which carry
+scales in the page). A quantised cache with a known element size on the ``token`` split
+(GPU backends) is described, its dtype in the layout and the namespace. It is refused
 too, before any byte count, for a model whose ``config.json`` has recurrent layers (Mamba,
 gated delta-net: vLLM pads their state pages to the attention page's size, so the bytes
 match while the meaning does not) or an MLA latent (``kv_lora_rank``). Such engines
@@ -71,6 +76,9 @@ DTYPE_BYTES = {
     "uint8": 1,
     "int8": 1,
 }
+
+QUANTISED_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "uint8", "int8"})
+"""KV cache dtypes (vLLM's ``--kv-cache-dtype``) that are not the model's float type."""
 
 
 NO_KV_LAYER_TYPES = frozenset({"mlp", "moe", "-", "E"})
@@ -236,6 +244,11 @@ def describe_rows(
         return None, "context parallel: a block's tokens are split across workers"
     dtype = str(config.model.dtype).removeprefix("torch.")
     if page_split == "cpu":
+        if dtype in QUANTISED_DTYPES:
+            return None, (
+                f"KV cache dtype {dtype!r} (a quantised cache) on vLLM's CPU attention: how its "
+                "kernels lay out a quantised page is not known"
+            )
         if order != HND or shape.head_size != shape.head_size_v:
             return None, f"vLLM's CPU attention with {config.kv_cache_layout} pages is not known"
         isas = {cpu_attention_isa(dtype, g.tokens_per_block, shape.head_size) for g in config.groups}

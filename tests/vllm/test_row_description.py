@@ -95,6 +95,24 @@ def test_cpu_pages_of_an_nhd_layout_are_refused():
     assert layout is None and "CPU attention" in why
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_quantised_cache_is_described_on_token_pages_and_refused_on_cpu_pages(dtype):
+    """An fp8 page is the float16 page's shape at one byte an element: described where K
+    and V are split by token (its dtype in the layout, so e4m3 and e5m2 never convert into
+    each other); on vLLM's CPU attention, whose quantised packing is not known, refused with
+    the dtype named."""
+    layout, _ = describe(config(dtype=dtype, per_block=PAGE // 2))
+    assert layout is not None and layout.dtype == dtype and layout.groups[0].head_bytes == 128
+    refused, why = describe(config("LBHNC", dtype=dtype, per_block=PAGE // 2), split="cpu")
+    assert refused is None and f"KV cache dtype {dtype!r}" in why
+
+
+def test_quantised_caches_of_other_dtypes_never_share_a_namespace():
+    e4m3, _ = describe(config(dtype="fp8_e4m3", per_block=PAGE // 2))
+    e5m2, _ = describe(config(dtype="fp8_e5m2", per_block=PAGE // 2))
+    assert e4m3.logical_description() != e5m2.logical_description()
+
+
 def test_model_shape_from_config_json():
     assert ModelShape.from_hf_config({"num_attention_heads": 8, "hidden_size": 512}) == ModelShape(8, 64, 64)
     assert ModelShape.from_hf_config(
