@@ -51,6 +51,7 @@ class EngineSpec:
     # "OffloadingConnector" (vLLM's keys) or "KVTierConnector" (keys by tokens: other block sizes share)
     kv_connector: str = "OffloadingConnector"
     dtype: str = "auto"  # the model's own (bfloat16); "float32" prefills ~3x faster on CPUs without AVX-512
+    kv_cache_dtype: str = "auto"  # the model's dtype; or a quantised cache ("fp8", "fp8_e4m3", "fp8_e5m2")
     block_size: int = 32  # vLLM's CPU attention takes multiples of 32
     device_blocks: int | None = None  # num_gpu_blocks_override: a device cache smaller than the work
     kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
@@ -75,6 +76,8 @@ class EngineSpec:
             "seed": self.seed,
             "disable_log_stats": False,
         }
+        if self.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         if self.device_blocks is not None:
             kwargs["num_gpu_blocks_override"] = self.device_blocks
         if self.max_num_batched_tokens is not None:

@@ -4,7 +4,8 @@ vLLM hands its workers byte pages, not shapes, so the layout is put together fro
 sources that the scheduler and every worker process read the same way:
 
 - ``OffloadingConfig``: the groups (their layers and tokens per block), the chunking
-  (``blocks_per_chunk``), the KV cache dtype, the parallel layout, and the resolved
+  (``blocks_per_chunk``), the KV cache dtype (``model.dtype``: vLLM puts its
+  ``--kv-cache-dtype`` there, the model's dtype only for ``auto``), the parallel layout, and the resolved
   ``kv_cache_layout`` name (``LBNHC``, ``BLHNC``, ...: vLLM's RFC #42082 stride orders of
   the logical ``[L, B, H, N, C]`` cache);
 - the model's ``config.json`` (its KV heads and head size);
@@ -30,12 +31,22 @@ The two readings have other logical shapes, so they never share rows.
 
 The description is refused (``None``, with the reason logged) wherever the bytes vLLM
 reports do not equal what that shape predicts: several workers' bands in a row (tensor or
-pipeline parallel), padded pages, MLA or quantised caches, layouts with heads outside the
-block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read. It is refused
+pipeline parallel), padded pages, layouts with heads outside the
+block (``LHBNC``, ``BHLNC``), a model whose ``config.json`` cannot be read, a quantised
+cache (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) on vLLM's CPU attention; and for any KV cache
+dtype whose element size is not known (vLLM's per-token-head and 4-bit caches, which carry
+scales in the page). A quantised cache with a known element size on the ``token`` split
+(GPU backends) is described, its dtype in the layout and the namespace. It is refused
 too, before any byte count, for a model whose ``config.json`` has recurrent layers (Mamba,
 gated delta-net: vLLM pads their state pages to the attention page's size, so the bytes
-match while the meaning does not) or an MLA latent (``kv_lora_rank``). Such engines
-keep the configuration fingerprint and share rows only with identically configured ones.
+match while the meaning does not) or sparse MLA's indexer cache (DeepSeek-V3.2's
+``index_*`` keys). Such engines keep the configuration fingerprint and share rows only
+with identically configured ones.
+
+An MLA page (``kv_lora_rank`` in ``config.json``) is described as what it is: one latent
+of ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer, a single "head" with
+no K/V split (``_describe_mla``), in either page split; byte-identical tensor-parallel
+ranks (vLLM's ``replicated_layout``) write one band, so MLA under TP is described too.
 """
 
 from __future__ import annotations
@@ -71,6 +82,9 @@ DTYPE_BYTES = {
     "uint8": 1,
     "int8": 1,
 }
+
+QUANTISED_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "uint8", "int8"})
+"""KV cache dtypes (vLLM's ``--kv-cache-dtype``) that are not the model's float type."""
 
 
 NO_KV_LAYER_TYPES = frozenset({"mlp", "moe", "-", "E"})
@@ -112,6 +126,7 @@ class ModelShape:
     # every layer recurrent, or some, where the config has no per-layer list (e.g. Falcon-H1)
     recurrent_model: str | None = None
     mla_latent: int | None = None  # kv_lora_rank + qk_rope_head_dim: one latent per token and layer
+    mla_indexer: bool = False  # sparse MLA (DeepSeek-V3.2): an indexer keeps a cache of its own
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape | None:
@@ -139,7 +154,8 @@ class ModelShape:
         mla = None
         if isinstance(config.get("kv_lora_rank"), int):
             mla = config["kv_lora_rank"] + int(config.get("qk_rope_head_dim") or 0)
-        return cls(kv_heads, head_dim, head_dim_v, recurrent, recurrent_model, mla)
+        indexer = any(k in config for k in ("index_topk", "index_head_dim", "index_n_heads"))
+        return cls(kv_heads, head_dim, head_dim_v, recurrent, recurrent_model, mla, indexer)
 
     def refusal(self, config: OffloadingConfig) -> str | None:
         """Why the groups' pages are not K and V heads (a recurrent state, an MLA latent),
@@ -156,11 +172,11 @@ class ModelShape:
         if self.recurrent_layers or self.recurrent_model:
             what = self.recurrent_model or f"recurrent layers {sorted(self.recurrent_layers)}"
             return f"the model has {what}: vLLM's MambaSpec pages, not K and V heads"
-        if self.mla_latent is not None:
+        if self.mla_latent is not None and self.mla_indexer:
             first = next((name for g in config.groups for name in g.layer_names), "?")
             return (
-                f"layer {first} is MLA (vLLM's MLAAttentionSpec): its page is one "
-                f"{self.mla_latent}-wide latent per token, not K and V heads"
+                f"layer {first} is sparse MLA: its indexer's cache (index_* in config.json) is "
+                "not a latent per token, and is not described"
             )
         return None
 
@@ -235,7 +251,14 @@ def describe_rows(
     if config.parallel.dcp_size > 1 or config.parallel.pcp_size > 1:
         return None, "context parallel: a block's tokens are split across workers"
     dtype = str(config.model.dtype).removeprefix("torch.")
+    if shape.mla_latent is not None:
+        return _describe_mla(config, host, shape.mla_latent, itemsize, dtype)
     if page_split == "cpu":
+        if dtype in QUANTISED_DTYPES:
+            return None, (
+                f"KV cache dtype {dtype!r} (a quantised cache) on vLLM's CPU attention: how its "
+                "kernels lay out a quantised page is not known"
+            )
         if order != HND or shape.head_size != shape.head_size_v:
             return None, f"vLLM's CPU attention with {config.kv_cache_layout} pages is not known"
         isas = {cpu_attention_isa(dtype, g.tokens_per_block, shape.head_size) for g in config.groups}
@@ -278,3 +301,36 @@ def describe_rows(
             )
         )
     return RowLayout(tuple(groups), dtype), "described"
+
+
+def _describe_mla(
+    config: OffloadingConfig, host: HostLayout, latent: int, itemsize: int, dtype: str
+) -> tuple[RowLayout | None, str]:
+    """An MLA page (vLLM's ``MLAAttentionSpec``) is ``[tokens, latent]``: one latent of
+    ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer, no heads and no K/V
+    split, in every MLA backend (CPU and GPU). Described as one "head" of the latent's
+    width, so its rows convert between block sizes (a 16-token CPU engine, a 64-token
+    FlashMLA one); with one head, NHD and HND are the same bytes. Byte-identical tensor
+    parallel ranks (``replicated_layout``) share one band, so TP engines are described too."""
+    head_bytes = latent * itemsize
+    groups = []
+    for group in config.groups:
+        predicted = len(group.layer_names) * group.tokens_per_block * head_bytes
+        if predicted != host.worker_block_bytes:
+            return None, (
+                f"group {group.group_id}: MLA, {len(group.layer_names)} layers x {group.tokens_per_block} "
+                f"tokens x a {head_bytes} B latent is {predicted} B a block, vLLM reports a "
+                f"{host.worker_block_bytes} B band (padding, or another MLA cache format)"
+            )
+        groups.append(
+            GroupRowLayout(
+                layers=len(group.layer_names),
+                kv=1,
+                heads=1,
+                head_bytes=head_bytes,
+                block_tokens=group.tokens_per_block,
+                blocks_per_row=host.blocks_per_chunk,
+                order=NHD,
+            )
+        )
+    return RowLayout(tuple(groups), dtype), "described (MLA latents)"

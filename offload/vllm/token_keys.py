@@ -7,7 +7,7 @@ connector (``offload.vllm.connector.KVTierConnector``) therefore hands this mana
 request's tokens, and it keys rows by a chain over *tokens per key* (the same for every
 engine that can share rows: the namespace holds it) instead:
 
-    h_0 = H("kvtier-tokens-v1", cache salt, LoRA name)
+    h_0 = H("kvtier-tokens-v1", cache salt, LoRA name and path)
     h_i = H(h_{i-1}, tokens of chunk i)         (chunks of tokens_per_key tokens)
     key(end) = h_{end / tokens_per_key} + group id, or H(h_k, "tail", the rest) + group id
 
@@ -50,13 +50,14 @@ class RequestTokens:
     def __init__(self, request: Any, tokens_per_key: int) -> None:
         self.request = request
         self.tokens_per_key = tokens_per_key
-        lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
         salt = getattr(request, "cache_salt", None) or ""
-        seed = hashlib.blake2b(f"kvtier-tokens-v1\x1f{salt}\x1f{lora}".encode(), digest_size=32).digest()
+        seed = hashlib.blake2b(
+            f"kvtier-tokens-v1\x1f{salt}\x1f{lora_identity(request)}".encode(), digest_size=32
+        ).digest()
         self.chain = [seed]
 
     def digest(self, end: int) -> bytes:
-        """32 bytes (a vLLM block hash's size) naming ``tokens[:end]`` (with the request's salt and LoRA)."""
+        """32 bytes (a vLLM block hash's size) naming ``tokens[:end]`` (with its salt and adapter)."""
         tokens = self.request.all_token_ids
         per = self.tokens_per_key
         whole, rest = divmod(end, per)
@@ -67,6 +68,15 @@ class RequestTokens:
         if not rest:
             return self.chain[whole]
         return _digest(self.chain[whole], b"tail", tokens[whole * per : end])
+
+
+def lora_identity(request: Any) -> str:
+    """The adapter's name and path, as vLLM's block hashes hold them (a name re-pointed at
+    another adapter is another KV); ``""`` without an adapter."""
+    lora = getattr(request, "lora_request", None)
+    if not lora:
+        return ""
+    return f"{lora.lora_name}\x1f{getattr(lora, 'lora_path', '') or ''}"
 
 
 def _digest(parent: bytes, tag: bytes, tokens: Sequence[int]) -> bytes:

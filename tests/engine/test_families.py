@@ -68,10 +68,10 @@ NOT_DESCRIBED = {
     "qwen3-next": "MambaSpec",
     "nemotron-h": "MambaSpec",
     "granite-4-h": "MambaSpec",
-    "deepseek-v2-mla": "MLAAttentionSpec",
 }
 """Families whose rows no ``RowLayout`` describes (``offload/vllm/row_layout.py``): they are
-keyed by the engine's configuration fingerprint, never converted for other engines."""
+keyed by the engine's configuration fingerprint, never converted for other engines. (MLA
+rows are described: one latent a token, so engines of other block sizes convert them.)"""
 MLA_LOGPROB_TOLERANCE = 0.5
 """How far an MLA load's logprobs may sit from the cold run's (measured: up to 0.17, on the
 first token; the tokens are equal)."""

@@ -97,6 +97,24 @@ def chain(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str
     return lower_tier_config("mooncake", tmp_path, master=master.address, deadline_s=2.0)
 
 
+def test_an_fp8_kv_cache_comes_back_exact_from_the_host_tier(make_engine):
+    """vLLM 0.32's CPU engine runs ``kv_cache_dtype="fp8"`` (one byte an element); kvtier
+    keys its rows by the fingerprint, the dtype named in the start log, and loads them exact."""
+    engine = make_engine(kv_cache_dtype="fp8")
+    _cold, reference = cold_and_reference(engine)
+    assert engine.reset_prefix_cache()
+
+    again = engine.generate([DOC])[0]
+
+    assert again.external_cached_tokens == FULL_BLOCKS * BLOCK, "the whole prefix from kvtier"
+    assert_exact(again, reference)
+    assert engine.kvtier_stats()["loaded_rows_by_tier"] == {"host": ROWS}
+    assert_another_document_differs(engine, reference)
+    log = engine.log_path.read_text(errors="replace")
+    assert "fingerprint only: KV cache dtype 'fp8' (a quantised cache)" in log
+    assert "of 32768 B" in log, "4 layers x 2 KV heads x 32 tokens x (K + V) 64 dims x 1 B a block"
+
+
 @pytest.mark.parametrize("kind", ["host", "disk", "remote", "mooncake"])
 def test_a_reset_prefix_comes_back_from_kvtier_token_and_logprob_exact(kind, make_engine, tmp_path, request):
     engine = make_engine(kvtier_config=chain(kind, tmp_path, request))

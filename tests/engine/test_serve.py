@@ -4,6 +4,7 @@ prompts sent as token ids.
 
 - A long completion sent twice with the device prefix cache reset in between; the second
   reports the prefix cached (so it came from kvtier).
+- Two cache salts over one prompt: kvtier serves a prefix only to its own salt.
 - Per-request control through ``kv_transfer_params`` in the completions body: a request
   that stores nothing (``max_offload_tokens: 0``), one that stores a capped prefix, one that
   loads only from the host tier (``kv_load_tiers``), each beside the same kind of request
@@ -115,11 +116,17 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 def complete(
-    port: int, model: str, prompt: list[int], kv_transfer_params: dict[str, Any] | None = None
+    port: int,
+    model: str,
+    prompt: list[int],
+    kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return post(port, "/v1/completions", body)
 
 
@@ -207,3 +214,25 @@ def test_per_request_kv_transfer_params_control_what_kvtier_stores_and_loads(ser
     assert cached_tokens(complete(port, model_dir, capped)) == 4 * BLOCK
     assert cached_tokens(complete(port, model_dir, private)) == 0  # not findable in any tier
     metrics_reach(port, model_dir, {("hits_total", "disk"): disk_hits + ROWS + 4})
+
+
+def reset_device_cache(port: int) -> None:
+    """vLLM's device prefix cache only: kvtier's tiers keep their rows."""
+    deadline = time.monotonic() + 60
+    while not post(port, "/reset_prefix_cache")["success"]:
+        assert time.monotonic() < deadline, "vLLM kept refusing to reset its prefix cache"
+        time.sleep(0.2)
+
+
+def test_a_cache_salt_keeps_one_prompt_apart_in_kvtier(server, model_dir):
+    """Two tenants' salts over one prompt never share kvtier's rows: with the device cache
+    reset, another salt (or none) finds nothing, the same salt its whole prefix."""
+    port, _process = server
+    prompt = document(30, ROWS * BLOCK + 1)
+    assert cached_tokens(complete(port, model_dir, prompt, cache_salt="tenant-a")) == 0
+    reset_device_cache(port)
+    assert cached_tokens(complete(port, model_dir, prompt, cache_salt="tenant-b")) == 0
+    reset_device_cache(port)
+    assert cached_tokens(complete(port, model_dir, prompt)) == 0
+    reset_device_cache(port)
+    assert cached_tokens(complete(port, model_dir, prompt, cache_salt="tenant-a")) == ROWS * BLOCK

@@ -56,6 +56,8 @@ NUM_LAYERS = 4
 SLIDING_WINDOW = 48
 SAMPLED_TOKEN = 7
 HEAD_SIZE = 8
+KV_CACHE_TORCH_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""The element type of vLLM's quantised KV caches (``--kv-cache-dtype``)."""
 
 
 class KVTierTinyForCausalLM(nn.Module):
@@ -132,6 +134,7 @@ class Engine:
         extra: dict[str, Any] | None = None,
         kv_heads: int = 2,
         dtype: str = "float16",
+        kv_cache_dtype: str = "auto",
         block_size: int = BLOCK_SIZE,
         connector: str = "OffloadingConnector",
         sync_loads: bool = False,
@@ -140,7 +143,8 @@ class Engine:
         ``KVTierConnector`` (``offload.vllm.connector``: keys are token digests).
         ``sync_loads``: kvtier's default, vLLM 0.33 loading small hits within the step;
         off by default here, so that every load goes the asynchronous way, reported in
-        ``finished_recving`` and checked there (``_verify_load``)."""
+        ``finished_recving`` and checked there (``_verify_load``). ``kv_cache_dtype``:
+        vLLM's ``--kv-cache-dtype`` (``auto``: the model's ``dtype``)."""
         self.block_size = block_size
         extra_config: dict[str, Any] = {
             "spec_name": "KVTierOffloadingSpec",
@@ -155,7 +159,9 @@ class Engine:
             **(extra or {}),
         }
         model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True)
-        cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=True)
+        cache_config = CacheConfig(
+            block_size=self.block_size, enable_prefix_caching=True, cache_dtype=kv_cache_dtype
+        )
         cache_config.kv_cache_layout = layout
         config = VllmConfig(
             model_config=model_config,
@@ -185,7 +191,7 @@ class Engine:
         # vLLM runs hybrid models with one block table per group only on GPU platforms.
         config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
         self.config = config
-        torch_dtype = getattr(torch, dtype)
+        torch_dtype = getattr(torch, KV_CACHE_TORCH_DTYPES.get(kv_cache_dtype, dtype))
         self.layer_specs = {
             f"layer{i}": (
                 SlidingWindowSpec(
@@ -233,6 +239,7 @@ class Engine:
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(self.block_size, sha256)
         self._ids = itertools.count()
+        self._lora_ids: dict[tuple[str, str], int] = {}
         self.requests: dict[str, RequestRecord] = {}
         self.steps = 0
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
@@ -258,14 +265,29 @@ class Engine:
         max_tokens: int = 1,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> str:
         """Queue a request; ``kv_transfer_params`` travel as vLLM's OpenAI server sends them
-        (``SamplingParams.extra_args``)."""
+        (``SamplingParams.extra_args``). ``lora``: the request's adapter (name, path), which
+        only keys its blocks here (the "model" computes no adapter)."""
         req_id = f"req-{next(self._ids)}"
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        lora_request = None
+        if lora is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora_request = LoRARequest(
+                lora[0], self._lora_ids.setdefault(lora, len(self._lora_ids) + 1), lora[1]
+            )
         request = Request(
-            req_id, list(prompt), params, None, cache_salt=cache_salt, block_hasher=self._hasher
+            req_id,
+            list(prompt),
+            params,
+            None,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+            block_hasher=self._hasher,
         )
         self.requests[req_id] = RequestRecord(
             list(prompt), block_hashes=[bytes(h) for h in request.block_hashes]

@@ -138,6 +138,30 @@ def test_another_dtype_is_a_miss(make_engine, tmp_path):
     assert set(range(len(PREFIX))) <= computed
 
 
+@pytest.mark.parametrize(
+    ("writer", "reader", "shared"), [("fp8_e4m3", "fp8_e5m2", False), ("fp8", "fp8", True)]
+)
+def test_a_quantised_kv_cache_shares_rows_only_with_its_own_dtype(
+    make_engine, tmp_path, writer, reader, shared
+):
+    """e4m3 and e5m2 caches have the same bytes per block and layout, not the same meaning:
+    the KV cache dtype (vLLM's ``--kv-cache-dtype``, which it hands the spec as the model's
+    ``dtype``) is in the namespace. The same dtype in another page order shares them."""
+    engine, loaded, computed = share_through_disk(
+        make_engine,
+        tmp_path,
+        {"layout": "LBNHC", "kv_cache_dtype": writer},
+        {"layout": "LBHNC", "kv_cache_dtype": reader},
+    )
+    if shared:
+        assert loaded == [(0, len(PREFIX))] and converted(engine) == ROWS
+    else:
+        assert loaded == [], "an e5m2 engine must never read e4m3 rows"
+        assert set(range(len(PREFIX))) <= computed
+    assert engine.spec.config.model.dtype == reader
+    assert engine.spec.row_layout is not None and engine.spec.row_layout.dtype == reader
+
+
 # -- other block sizes: rows keyed by their tokens (KVTierConnector) ------------------------
 
 LONG = list(range(100, 356))  # 256 tokens: four 64-token rows

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -18,7 +19,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from offload.row_layout import HND, NHD
+from offload.row_layout import HND, NHD, convert_row
 from offload.vllm.canonical import HostLayout
 from offload.vllm.row_layout import ModelShape, describe_rows
 
@@ -95,6 +96,24 @@ def test_cpu_pages_of_an_nhd_layout_are_refused():
     assert layout is None and "CPU attention" in why
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_quantised_cache_is_described_on_token_pages_and_refused_on_cpu_pages(dtype):
+    """An fp8 page is the float16 page's shape at one byte an element: described where K
+    and V are split by token (its dtype in the layout, so e4m3 and e5m2 never convert into
+    each other); on vLLM's CPU attention, whose quantised packing is not known, refused with
+    the dtype named."""
+    layout, _ = describe(config(dtype=dtype, per_block=PAGE // 2))
+    assert layout is not None and layout.dtype == dtype and layout.groups[0].head_bytes == 128
+    refused, why = describe(config("LBHNC", dtype=dtype, per_block=PAGE // 2), split="cpu")
+    assert refused is None and f"KV cache dtype {dtype!r}" in why
+
+
+def test_quantised_caches_of_other_dtypes_never_share_a_namespace():
+    e4m3, _ = describe(config(dtype="fp8_e4m3", per_block=PAGE // 2))
+    e5m2, _ = describe(config(dtype="fp8_e5m2", per_block=PAGE // 2))
+    assert e4m3.logical_description() != e5m2.logical_description()
+
+
 def test_model_shape_from_config_json():
     assert ModelShape.from_hf_config({"num_attention_heads": 8, "hidden_size": 512}) == ModelShape(8, 64, 64)
     assert ModelShape.from_hf_config(
@@ -151,16 +170,125 @@ def test_a_recurrent_state_group_is_never_described_as_attention(hf, layers, nam
     assert named in why and "MambaSpec" in why
 
 
-def test_an_mla_latent_is_never_described_as_heads():
-    """DeepSeek's MLA page is one latent per token (kv_lora_rank + qk_rope_head_dim); with
-    heads and head sizes whose product happens to match its bytes it must still be refused."""
-    hf = {**HF_BASE, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
-    layout, why = describe(
-        hybrid_config((("model.layers.0.self_attn.attn",),)), ModelShape.from_hf_config(hf)
+DEEPSEEK_V2 = {  # bench/tiny_families.py's MLA model: only what the spec reads of it matters here
+    "model_type": "deepseek_v2",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "hidden_size": 256,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+}
+MLA_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+LATENT_BYTES = 576 * 2  # (kv_lora_rank + qk_rope_head_dim) bf16
+
+
+def mla_config(
+    block: int,
+    blocks_per_chunk: int = 1,
+    *,
+    world: int = 1,
+    replicated: bool = False,
+    page: int | None = None,
+) -> OffloadingConfig:
+    """vLLM's config for a DeepSeek-V2 engine: one group of MLA layers, a latent a token."""
+    cfg = config(per_block=page or len(MLA_LAYERS) * block * LATENT_BYTES, world=world, dtype="bfloat16")
+    return OffloadingConfig(
+        **{
+            **cfg.__dict__,
+            "groups": (OffloadingGroupConfig(block, MLA_LAYERS, 0),),
+            "cache": OffloadingCacheConfig(tokens_per_hash=block, blocks_per_chunk=blocks_per_chunk),
+            "replicated_layout": replicated,
+        }
     )
-    assert layout is None
-    assert "layer model.layers.0.self_attn.attn is MLA (vLLM's MLAAttentionSpec)" in why
-    assert "576-wide latent" in why
+
+
+MLA_SHAPE = ModelShape.from_hf_config(DEEPSEEK_V2)
+
+
+def test_an_mla_latent_is_described_as_one_latent_per_token_never_as_heads():
+    """DeepSeek's MLA page is ``[tokens, kv_lora_rank + qk_rope_head_dim]`` per layer: one
+    "head" of the latent's width, no K/V split. A page whose bytes match the config's heads
+    instead (4 KV heads x 64 dims, K and V) is not an MLA page: refused, never read as heads."""
+    layout, why = describe(mla_config(16), MLA_SHAPE)
+    assert layout is not None, why
+    (group,) = layout.groups
+    assert (group.layers, group.kv, group.heads, group.head_bytes, group.block_tokens) == (
+        2,
+        1,
+        1,
+        LATENT_BYTES,
+        16,
+    )
+    as_heads = 2 * 4 * 16 * 128 * 2  # layers x heads x tokens x (K + V) x 64 dims x 2 B
+    refused, why = describe(mla_config(16, page=as_heads), MLA_SHAPE)
+    assert refused is None and "MLA" in why and "1152 B latent" in why
+
+
+def test_mla_rows_of_two_block_sizes_convert_bit_exact():
+    """A CPU engine's 16-token MLA blocks (four a row) and a GPU engine's 64-token ones
+    (FlashMLA) hold the same latents: one namespace, and a row converts byte for byte."""
+    small, _ = describe(mla_config(16, blocks_per_chunk=4), MLA_SHAPE)
+    large, _ = describe(mla_config(64), MLA_SHAPE)
+    assert small is not None and large is not None
+    assert small.logical_description() == large.logical_description(), "one namespace"
+    assert small.layout_id() != large.layout_id(), "rows say which they are"
+    latents = torch.randn(len(MLA_LAYERS), 64, 576, generator=torch.Generator().manual_seed(3))
+    latents = latents.to(torch.bfloat16)
+
+    def row(block: int) -> bytes:  # kvtier's canonical row: per block, each layer's page
+        pages = [
+            latents[layer, b * block : (b + 1) * block] for b in range(64 // block) for layer in range(2)
+        ]
+        return b"".join(page.contiguous().view(torch.uint8).numpy().tobytes() for page in pages)
+
+    for source, target, block_from, block_to in ((small, large, 16, 64), (large, small, 64, 16)):
+        converted = torch.frombuffer(bytearray(row(block_from)), dtype=torch.uint8)
+        convert_row(converted, source.groups[0], target.groups[0])
+        assert bytes(converted.numpy()) == row(block_to)
+
+
+def test_byte_identical_tensor_parallel_ranks_share_one_described_band():
+    """Under TP every rank holds the whole latent: vLLM says so (``replicated_layout``) and
+    the host row is one band, described; without it, the ranks' bands are not."""
+    shared, why = describe(mla_config(16, world=2, replicated=True), MLA_SHAPE)
+    assert shared is not None, why
+    assert HostLayout.from_config(mla_config(16, world=2, replicated=True)).num_workers == 1
+    apart, why = describe(mla_config(16, world=2, page=2 * 16 * LATENT_BYTES), MLA_SHAPE)
+    assert apart is None and "workers" in why
+
+
+def test_sparse_mla_with_an_indexer_cache_is_refused():
+    """DeepSeek-V3.2's indexer keeps keys of its own beside the latents: not described."""
+    shape = ModelShape.from_hf_config({**DEEPSEEK_V2, "index_topk": 2048, "index_head_dim": 128})
+    layout, why = describe(mla_config(16), shape)
+    assert layout is None and "indexer" in why
+
+
+def test_the_spec_built_for_deepseek_v2_describes_its_mla_rows(tmp_path, caplog):
+    """Built as vLLM builds it for a DeepSeek-V2 engine (its ``config.json`` read from the
+    model's folder): the rows are described, so engines of other block sizes find them."""
+    import json
+    import logging
+
+    from offload.vllm.spec import KVTierOffloadingSpec
+
+    model = tmp_path / "deepseek-v2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(DEEPSEEK_V2))
+    cfg = mla_config(16)
+    cfg = OffloadingConfig(
+        **{
+            **cfg.__dict__,
+            "model": OffloadingModelConfig(str(model), "bfloat16"),
+            "extra_config": {"cpu_bytes_to_use": 1 << 20, "shm_dir": str(tmp_path)},
+        }
+    )
+    with caplog.at_level(logging.INFO, logger="offload.vllm.spec"):
+        spec = KVTierOffloadingSpec(cfg)
+    assert spec.row_layout is not None and spec.row_layout.groups[0].head_bytes == LATENT_BYTES
+    assert "fingerprint only" not in caplog.text
 
 
 def test_attention_only_models_are_still_described():
