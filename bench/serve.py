@@ -404,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import serve_pd
 
         return serve_pd.main([arg for arg in given if arg != "--pd"])
+    if "--client" in given:  # vLLM's own benchmark client against vllm serve (bench.serve_client)
+        from bench import serve_client
+
+        return serve_client.main(given)
     args = parse_args(argv)
     if missing:
         print(f"kvtier bench serve runs a real vLLM engine: {missing}", file=sys.stderr)
