@@ -29,6 +29,7 @@ from typing import Any
 from bench.report import write_json
 from bench.serve import CONFIGS, Sizes, _peer, engine_missing, engine_version, kvtier_extra
 from bench.ttft import percentile
+from bench.vllm_server import stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class Load:
             "--dataset-name", self.dataset, "--num-prompts", str(self.num_prompts),
             "--max-concurrency", str(self.concurrency), "--request-rate", str(self.request_rate),
             "--seed", str(self.seed), "--temperature", "0", "--ignore-eos", "--disable-tqdm",
-            "--save-detailed", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-detailed", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,90,99",
         ]  # fmt: skip
         if self.dataset == "prefix_repetition":
             argv += [
@@ -231,6 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     missing = engine_missing()
     if missing:
         print(f"kvtier bench serve --client vllm runs a real vllm serve: {missing}", file=sys.stderr)
@@ -253,8 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     block = Sizes.block_size
     max_model_len = -(-(load.longest_prompt + load.output_len + 1) // block) * block
-    if args.device_blocks * block < max_model_len:
-        print(f"--device-blocks must hold a {max_model_len}-token request", file=sys.stderr)
+    if args.device_blocks < max_model_len // block + 1:  # vLLM keeps one block aside
+        print(
+            f"--device-blocks must hold a {max_model_len}-token request and one block more"
+            f" (>= {max_model_len // block + 1})",
+            file=sys.stderr,
+        )
         return 2
     sizes = replace(Sizes(), device_blocks=args.device_blocks, dtype=args.dtype, max_model_len=max_model_len)
     command = "kvtier bench serve --client vllm " + " ".join(

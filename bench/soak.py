@@ -37,7 +37,7 @@ from bench.report import write_json
 from bench.serve import Sizes, _peer
 from bench.serve_client import WARM_UP, Load, run_client
 from bench.serve_workloads import document
-from bench.vllm_server import ServerProcess, ServerSpec
+from bench.vllm_server import ServerProcess, ServerSpec, stop_on_sigterm
 
 FIXED_PROMPTS = 4
 FIXED_TOKENS = 1000  # not a multiple of the block: the last partial block is computed in both runs
@@ -390,6 +390,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     command = "python -m bench.soak " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {command.strip()}", flush=True)
     result = soak(args)

@@ -42,9 +42,11 @@ class ServerError(RuntimeError):
 _LETTERS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+LONGEST_WORD = 8
+
+
 def _word(token: int) -> str:
-    """Three letters per id: with its space four characters a token, under the six a token
-    vLLM's server allows a prompt's text before it tokenizes it."""
+    """Three letters per id: with its space, four characters a token."""
     n = len(_LETTERS)
     return _LETTERS[token // (n * n) % n] + _LETTERS[token // n % n] + _LETTERS[token % n]
 
@@ -59,7 +61,11 @@ def write_tokenizer(model_dir: str | Path, vocab: int) -> None:
         return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    words = {_word(i): i for i in range(vocab)}
+    words = {_word(i): i for i in range(vocab - 1)}
+    # vLLM's server refuses a prompt longer in characters than max_model_len times the
+    # vocabulary's longest word, before it tokenizes it; with three letters and a space a
+    # token, one longer word keeps that bound above every prompt that fits in tokens.
+    words["~" * LONGEST_WORD] = vocab - 1
     tokenizer = Tokenizer(models.WordLevel(words, unk_token=_word(0)))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
@@ -77,6 +83,16 @@ def write_tokenizer(model_dir: str | Path, vocab: int) -> None:
         )
     )
     staging.rename(path / "tokenizer.json")
+
+
+def stop_on_sigterm() -> None:
+    """A SIGTERM (``timeout``, a job runner) leaves through ``finally`` blocks as Ctrl-C does, so
+    the servers and peers started here are stopped, not orphaned in their own sessions."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def free_port() -> int:

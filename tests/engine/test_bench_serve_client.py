@@ -14,12 +14,13 @@ ROWS = ("vllm", "host", "disk", "peer")
 
 def test_bench_serve_client_vllm_has_every_row_and_kvtier_rows_hit(tmp_path, capsys):
     out = tmp_path / "client.json"
-    # Three prefixes of 9 blocks each over a device cache of 10 blocks: a prefix that comes
-    # back after another one was served is gone from the device cache, and only kvtier has it.
+    # Three prefixes of 9 blocks each over a device cache of 11 blocks (one vLLM keeps aside):
+    # a prefix that comes back after another one was served is gone from the device cache,
+    # and only kvtier has it.
     argv = [
         "--client", "vllm", "--rows", ",".join(ROWS), "--num-prompts", "6", "--num-prefixes", "3",
         "--prefix-len", "256", "--suffix-len", "32", "--output-len", "2", "--concurrency", "1",
-        "--device-blocks", "10", "--json", str(out),
+        "--device-blocks", "11", "--json", str(out),
     ]  # fmt: skip
     assert serve.main(argv) == 0
     printed = capsys.readouterr().out
