@@ -306,4 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             },
         },
     )
+    failed = {c: f["failed"] for c, f in figures.items() if f["failed"]}
+    if failed:
+        print(f'failed requests: {failed} (their errors: the client\'s "errors" in --json)', file=sys.stderr)
+        return 1
     return 0
