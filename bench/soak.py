@@ -62,16 +62,18 @@ def _du(path: Path) -> int:
     return total
 
 
-def _tree(pid: int) -> dict[str, int]:
-    """RSS, fds and threads summed over ``pid`` and its descendants."""
+def _tree(pid: int) -> dict[str, Any]:
+    """RSS, fds and threads summed over ``pid`` and its descendants (and each one's RSS)."""
     import psutil
 
     root = psutil.Process(pid)
     procs = [root, *root.children(recursive=True)]
-    totals = {"rss": 0, "fds": 0, "threads": 0, "processes": 0}
+    totals: dict[str, Any] = {"rss": 0, "fds": 0, "threads": 0, "processes": 0, "rss_by_pid": {}}
     for proc in procs:
         with contextlib.suppress(psutil.Error):
-            totals["rss"] += proc.memory_info().rss
+            rss = proc.memory_info().rss
+            totals["rss_by_pid"][f"{proc.pid} {proc.name()}"] = rss  # which process grows
+            totals["rss"] += rss
             totals["fds"] += proc.num_fds()
             totals["threads"] += proc.num_threads()
             totals["processes"] += 1
