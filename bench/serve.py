@@ -410,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kvtier bench serve {flag} runs a real vLLM engine: {missing}", file=sys.stderr)
                 return 2
             return importlib.import_module(f"bench.{module}").main([arg for arg in given if arg != flag])
+    if "--client" in given:  # vLLM's own benchmark client against vllm serve (bench.serve_client)
+        from bench import serve_client
+
+        return serve_client.main(given)
     args = parse_args(argv)
     if missing:
         print(f"kvtier bench serve runs a real vLLM engine: {missing}", file=sys.stderr)
