@@ -67,6 +67,21 @@ class Sizes:
     lower_bytes: int = 1 << 30
     row_bytes: int = 128 << 10  # one block of the float32 model: 4 layers x K,V x 2 heads x 64 x 32 x 4 B
 
+    def engine_spec(self, model_dir: str, kvtier: dict[str, Any] | None) -> Any:
+        """The ``EngineSpec`` of one row: these sizes, ``kvtier``'s extra config (``None``:
+        vLLM alone)."""
+        from bench.vllm_engine import EngineSpec
+
+        return EngineSpec(
+            model_dir,
+            kvtier=kvtier,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            device_blocks=self.device_blocks,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
+        )
+
 
 # -- running -------------------------------------------------------------------------------
 
@@ -139,22 +154,14 @@ def run_row(
     done: list[int],
 ) -> dict[str, Any]:
     """One engine for ``config``; every workload through it; per workload the raw outputs."""
-    from bench.vllm_engine import EngineProcess, EngineSpec
+    from bench.vllm_engine import EngineProcess
 
     rowdir = workdir / config
     (rowdir / "shm").mkdir(parents=True)
     with contextlib.ExitStack() as stack:
         peer = stack.enter_context(_peer(rowdir, sizes)) if config == "peer" else None
         extra = kvtier_extra(config, sizes, rowdir, peer)
-        spec = EngineSpec(
-            model_dir,
-            kvtier=extra,
-            dtype=sizes.dtype,
-            block_size=sizes.block_size,
-            device_blocks=sizes.device_blocks,
-            max_model_len=sizes.max_model_len,
-            enforce_eager=sizes.enforce_eager,
-        )
+        spec = sizes.engine_spec(model_dir, extra)
         engine = stack.enter_context(EngineProcess(spec, rowdir / "engine.log"))
         engine.generate(warm_up(seed=-1), max_tokens=2)  # tokens no workload holds
         done[0] += 1

@@ -86,22 +86,14 @@ def run_config(
 ) -> list[dict[str, Any]]:
     """One engine; per repetition and length, the four (or three) asks of one fresh prefix."""
     from bench.serve import _peer
-    from bench.vllm_engine import EngineProcess, EngineSpec
+    from bench.vllm_engine import EngineProcess
 
     rowdir = workdir / config
     (rowdir / "shm").mkdir(parents=True)
     samples = []
     with contextlib.ExitStack() as stack:
         peer = stack.enter_context(_peer(rowdir, sizes)) if config == "peer" else None
-        spec = EngineSpec(
-            model_dir,
-            kvtier=_extra(config, rowdir, sizes, peer),
-            dtype=sizes.dtype,
-            block_size=sizes.block_size,
-            device_blocks=sizes.device_blocks,
-            max_model_len=sizes.max_model_len,
-            enforce_eager=sizes.enforce_eager,
-        )
+        spec = sizes.engine_spec(model_dir, _extra(config, rowdir, sizes, peer))
         engine = stack.enter_context(EngineProcess(spec, rowdir / "engine.log"))
         engine.generate([document(seed - 1, 600)], max_tokens=2)  # warm: tokens no ask holds
         for rep in range(reps):

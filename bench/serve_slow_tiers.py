@@ -103,7 +103,7 @@ def _extra(row: str, sizes: Any, rowdir: Path, below: dict[str, Any] | None) -> 
 def run_row(
     row: str, requests: list[dict], sizes: Any, model_dir: str, rowdir: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    from bench.vllm_engine import EngineProcess, EngineSpec
+    from bench.vllm_engine import EngineProcess
 
     (rowdir / "shm").mkdir(parents=True)
     with contextlib.ExitStack() as stack:
@@ -123,15 +123,7 @@ def run_row(
                 "peers": [cluster.hosts[0].peer_address()],
                 "capacity": sizes.lower_bytes,
             }
-        spec = EngineSpec(
-            model_dir,
-            kvtier=_extra(row, sizes, rowdir, below),
-            dtype=sizes.dtype,
-            block_size=sizes.block_size,
-            device_blocks=sizes.device_blocks,
-            max_model_len=sizes.max_model_len,
-            enforce_eager=sizes.enforce_eager,
-        )
+        spec = sizes.engine_spec(model_dir, _extra(row, sizes, rowdir, below))
         # kvtier sets UCX's interface from the peer's address, as on a machine of its own: a
         # value of this process's (meant for 127.0.0.1 peers) would win (bench.cluster_vllm).
         saved = {name: os.environ.pop(name) for name in net_iface.VARIABLES if name in os.environ}

@@ -16,11 +16,11 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.security.peer_processes import CLOSE_WAIT, open_descriptors, peer_processes, tcp_sockets
 from tests.tiers.peer_fixtures import ROOT, HostRows, RawAgent, RawConnection, key, open_tier
 from tiers.remote import protocol as proto
 
@@ -35,33 +35,10 @@ multiprocess = pytest.mark.multiprocess
 # -- the peer's processes, seen from outside ------------------------------------------------
 
 
-def peer_processes(pid: int) -> list[int]:
-    """The peer and its children (the tenant workers)."""
-    out = [pid]
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def descriptors_of(pid: int) -> tuple[int, int]:
     """Open descriptors of the peer's processes, and how many of their sockets are in CLOSE-WAIT."""
-    count, inodes = 0, set()
-    for proc in peer_processes(pid):
-        for fd in os.listdir(f"/proc/{proc}/fd"):
-            count += 1
-            try:
-                target = os.readlink(f"/proc/{proc}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    close_wait = 0
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            close_wait += fields[9] in inodes and fields[3] == "08"
-    return count, close_wait
+    count, inodes = open_descriptors(pid)
+    return count, sum(state == CLOSE_WAIT for _address, state in tcp_sockets(pid, inodes))
 
 
 def find_in_memory(pid: int, needle: bytes) -> list[int]:

@@ -11,11 +11,11 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from offload.cli import main as kvtier_main
+from tests.security.peer_processes import LISTEN, open_descriptors, tcp_sockets
 from tests.tiers.peer_fixtures import ROOT
 from tiers.remote.auth import MIN_TOKEN_BYTES, parse_token_file
 from tiers.remote.net_iface import bind_ucx_to, interface_of, ipv4_of
@@ -25,33 +25,11 @@ multiprocess = pytest.mark.multiprocess
 GOOD_TOKEN = b"g" * MIN_TOKEN_BYTES
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def _listening(pid: int) -> set[str]:
     """The local addresses (hex, as ``/proc/net/tcp`` writes them) of the TCP listeners of
     ``pid`` and its children (the tenant workers, whose UCX listens)."""
-    inodes = set()
-    for proc in [pid, *_children(pid)]:
-        for fd in os.listdir(f"/proc/{proc}/fd"):
-            try:
-                target = os.readlink(f"/proc/{proc}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes and fields[3] == "0A":  # LISTEN
-                found.add(fields[1].split(":")[0])
-    return found
+    _count, inodes = open_descriptors(pid)
+    return {address for address, state in tcp_sockets(pid, inodes) if state == LISTEN}
 
 
 def _peer_listeners(
