@@ -62,28 +62,29 @@ def engine_spec(name: str, models: Path, workdir: Path) -> EngineSpec:
 
 def measure(name: str, models: Path, tokens: int, repeats: int) -> dict[str, float]:
     """Median seconds to the first token: ``computed``, ``host``, ``disk``."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"kvtier-ttft-{name}-"))
     times: dict[str, list[float]] = {"computed": [], "host": [], "disk": []}
-    with EngineProcess(engine_spec(name, models, workdir), workdir / "engine.log") as engine:
+    with tempfile.TemporaryDirectory(prefix=f"kvtier-ttft-{name}-") as tmp:
+        workdir = Path(tmp)
+        with EngineProcess(engine_spec(name, models, workdir), workdir / "engine.log") as engine:
 
-        def first_token(prompt: list[int], source: str) -> None:
-            started = time.perf_counter()
-            (completion,) = engine.generate([prompt], max_tokens=1)
-            times[source].append(time.perf_counter() - started)
-            loaded = completion.external_cached_tokens or 0
-            if (source == "computed") != (loaded == 0):
-                raise RuntimeError(f"{name}: the {source} run loaded {loaded} tokens from kvtier")
+            def first_token(prompt: list[int], source: str) -> None:
+                started = time.perf_counter()
+                (completion,) = engine.generate([prompt], max_tokens=1)
+                times[source].append(time.perf_counter() - started)
+                loaded = completion.external_cached_tokens or 0
+                if (source == "computed") != (loaded == 0):
+                    raise RuntimeError(f"{name}: the {source} run loaded {loaded} tokens from kvtier")
 
-        engine.generate([document(99, 200)], max_tokens=1)  # the first forward pass warms up
-        for i in range(repeats):
-            prompt = document(100 + i, tokens)
-            first_token(prompt, "computed")
-            engine.reset_prefix_cache()
-            first_token(prompt, "host")
-            engine.wait_spilled(engine.kvtier_stats()["stored_rows"])
-            engine.reset_prefix_cache(connector=True)
-            first_token(prompt, "disk")
-            engine.reset_prefix_cache(connector=True)
+            engine.generate([document(99, 200)], max_tokens=1)  # the first forward pass warms up
+            for i in range(repeats):
+                prompt = document(100 + i, tokens)
+                first_token(prompt, "computed")
+                engine.reset_prefix_cache()
+                first_token(prompt, "host")
+                engine.wait_spilled(engine.kvtier_stats()["stored_rows"])
+                engine.reset_prefix_cache(connector=True)
+                first_token(prompt, "disk")
+                engine.reset_prefix_cache(connector=True)
     return {source: statistics.median(values) for source, values in times.items()}
 
 
@@ -94,17 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
-    models = Path(tempfile.mkdtemp(prefix="kvtier-families-"))
     results: dict[str, Any] = {}
-    print("| family | computed (vLLM alone) | kvtier host | kvtier disk | computed / host |")
-    print("| --- | --- | --- | --- | --- |")
-    for name in args.families:
-        ttft = results[name] = measure(name, models, args.tokens, args.repeats)
-        print(
-            f"| {name} | {ttft['computed'] * 1e3:.0f} ms | {ttft['host'] * 1e3:.0f} ms | "
-            f"{ttft['disk'] * 1e3:.0f} ms | {ttft['computed'] / ttft['host']:.1f}x |",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory(prefix="kvtier-families-") as tmp:
+        models = Path(tmp)
+        print("| family | computed (vLLM alone) | kvtier host | kvtier disk | computed / host |")
+        print("| --- | --- | --- | --- | --- |")
+        for name in args.families:
+            ttft = results[name] = measure(name, models, args.tokens, args.repeats)
+            print(
+                f"| {name} | {ttft['computed'] * 1e3:.0f} ms | {ttft['host'] * 1e3:.0f} ms | "
+                f"{ttft['disk'] * 1e3:.0f} ms | {ttft['computed'] / ttft['host']:.1f}x |",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
