@@ -35,11 +35,13 @@ tmpfs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 
 MDB_MAGIC = 0xBEEFC0DE
 MDB_DATA_VERSION = 1  # LMDB 0.9's on-disk format
@@ -60,20 +62,32 @@ class CheckNotRun(OSError):
     """The child process of ``walk_problem`` could not run at all (says nothing of the file)."""
 
 
+@contextlib.contextmanager
+def _opened(data_path: str) -> Iterator[tuple[int, int] | None]:
+    """``(fd, size)`` of LMDB file ``data_path``, opened read-only without following a link
+    and closed after; ``None`` for an absent or empty file (LMDB starts a new one)."""
+    try:
+        fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        size = os.fstat(fd).st_size
+        yield (fd, size) if size else None
+    finally:
+        os.close(fd)
+
+
 def header_problem(data_path: str) -> str | None:
     """What is wrong with the meta pages of LMDB file ``data_path``, or ``None``.
 
     An absent or empty file is fine (LMDB starts a new one). Reads with ``pread`` only, so it
     cannot fault whatever the file holds.
     """
-    try:
-        fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+    with _opened(data_path) as opened:
+        if opened is None:
             return None
+        fd, size = opened
         first = os.pread(fd, _META_BYTES, 0)
         if len(first) < _META_BYTES:
             return f"{size} bytes: shorter than one meta page"
@@ -88,8 +102,6 @@ def header_problem(data_path: str) -> str | None:
             if problem:
                 return f"meta page {number}: {problem}"
         return None
-    finally:
-        os.close(fd)
 
 
 def _meta_problem(page: bytes, number: int, page_size: int, file_size: int) -> str | None:
@@ -134,14 +146,10 @@ def free_list_problem(data_path: str) -> str | None:
     page and entry counts the meta names. A sound list is a few pages: this costs
     microseconds.
     """
-    try:
-        fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+    with _opened(data_path) as opened:
+        if opened is None:
             return None
+        fd, _size = opened
         page_size = _DB.unpack_from(os.pread(fd, _META_BYTES, 0), _DBS_AT)[0]
         metas = [os.pread(fd, _META_BYTES, number * page_size) for number in (0, 1)]
         meta = max(metas, key=lambda page: _TAIL.unpack_from(page, _TAIL_AT)[1])  # LMDB's pick
@@ -152,8 +160,6 @@ def free_list_problem(data_path: str) -> str | None:
             empty = depth == 0 and counts == (0, 0, 0, 0)
             return None if empty else "the free-page list is empty but its counts are not"
         return _FreeListWalk(fd, page_size, last_page).problem(root, depth, counts)
-    finally:
-        os.close(fd)
 
 
 class _FreeListWalk:
