@@ -17,6 +17,16 @@ import pytest
 # with a NIXL agent dies with SIGSEGV at exit. There is no RDMA device here: skip them.
 os.environ.setdefault("UCX_MODULES", "^ib*")
 
+try:  # hypothesis is in the test set-up; guarded so a bare pytest still collects
+    from hypothesis import settings as _hypothesis_settings
+
+    # No per-example deadline (hypothesis' default is 200 ms): on two shared cores an example
+    # can take longer, and a deadline then fails a property that holds. Tests time nothing.
+    _hypothesis_settings.register_profile("kvtier", deadline=None)
+    _hypothesis_settings.load_profile("kvtier")
+except ImportError:
+    pass
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":

@@ -235,6 +235,26 @@ def test_a_request_over_the_byte_bound_is_refused_with_a_clear_error(spawn_peers
 
 
 @multiprocess
+async def test_a_client_cuts_its_requests_to_the_bound_its_peer_announces(spawn_peers):
+    """A peer started with ``--max-request-bytes`` under the client's ``transfer_bytes``
+    (64 MiB): the client learns the bound at the handshake and sends requests within it, so
+    every row is stored and served. Before the peer announced it, each request named all 24
+    rows (3 MiB) and was refused: every put and get a miss, for as long as the engine ran."""
+    (peer,) = spawn_peers(
+        capacity="8MiB", row_bytes="128KiB", extra=["--max-request-bytes", "512KiB", "--tenant-bytes", "1MiB"]
+    )
+    n = 24
+    rows = HostRows([128 * KIB] * n, seed=31)
+    keys = [key(i, salt=b"bound") for i in range(n)]
+    async with open_tier([peer.address], rows.view) as tier:
+        assert tier.transfer_bytes > n * 128 * KIB
+        assert await tier.put(list(zip(keys, rows.src, strict=True))) == [True] * n
+        rows.clear_dst()
+        assert await tier.get(list(zip(keys, rows.dst, strict=True))) == [True] * n
+        assert all(rows.same(i) for i in range(n))
+
+
+@multiprocess
 async def test_a_flood_of_gets_does_not_push_another_tenants_get_past_its_deadline(spawn_peers):
     """The attacker stores 48 rows of 2 MiB and floods GETs naming all of them (96 MiB each)
     from 6 connections, 16 each (9 GiB of copies, about 3 s here). The victim's get of 2 rows,

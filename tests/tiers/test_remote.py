@@ -207,18 +207,27 @@ async def test_a_wrong_or_missing_token_reads_nothing(shared):
         assert await good.get(list(zip(keys, rows.dst, strict=True))) == [True] * 4  # still serving
 
 
-def _authenticated(port: int) -> RawConnection:
-    """A connection past the whole handshake (its agent announced), ready for requests."""
-    agent = RawAgent()
-    raw = RawConnection(port, timeout=5.0)
-    try:
-        assert raw.handshake(TOKEN, agent=agent) is not None
-    except BaseException:
-        raw.close()
-        agent.close()
-        raise
-    raw.agent = agent  # type: ignore[attr-defined]  # closed with the connection (_close)
-    return raw
+def _authenticated(port: int, retry_s: float = 15.0) -> RawConnection:
+    """A connection past the whole handshake (its agent announced), ready for requests.
+
+    A fuzzed frame may crash the tenant's worker (a token holder can, to its own tenant's);
+    while it restarts (backoff up to 5 s) the peer closes new handshakes unanswered, so a
+    handshake is tried again for up to ``retry_s``: the claim under test is the next frame's."""
+    give_up = time.monotonic() + retry_s
+    while True:
+        agent = RawAgent()
+        raw = RawConnection(port, timeout=5.0)
+        try:
+            assert raw.handshake(TOKEN, agent=agent) is not None
+        except BaseException:
+            raw.close()
+            agent.close()
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(0.25)
+            continue
+        raw.agent = agent  # type: ignore[attr-defined]  # closed with the connection (_close)
+        return raw
 
 
 def _close(raw: RawConnection) -> None:

@@ -55,8 +55,13 @@ def test_replies_round_trip():
     assert proto.decode_flags(proto.encode_flags([True, False, True])) == [True, False, True]
     assert proto.decode_stats(proto.encode_stats({"rows": 3, "slots": 9})) == {"rows": 3, "slots": 9}
     assert proto.decode_error(proto.encode_error(proto.ErrorCode.LIMIT, "too many")) == (2, "too many")
-    welcome = proto.Welcome(b"i" * 16, 4096, 10)
+    welcome = proto.Welcome(b"i" * 16, 4096, 10, 1 << 20)
     assert proto.decode_welcome(proto.encode_welcome(welcome)) == welcome
+
+
+def test_a_welcome_whose_request_bound_is_under_one_slot_is_refused():
+    with pytest.raises(proto.ProtocolError, match="under one slot"):
+        proto.decode_welcome(proto.encode_welcome(proto.Welcome(b"i" * 16, 4096, 10, 4095)))
 
 
 def test_limits_are_enforced_before_allocation():

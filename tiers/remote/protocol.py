@@ -110,7 +110,7 @@ _BODY = struct.Struct("<BI")
 FRAME_OVERHEAD = _LEN.size + _BODY.size
 _CHALLENGE = struct.Struct(f"<4sH{NONCE_BYTES}s")
 _AUTH_HEAD = struct.Struct(f"<H{NONCE_BYTES}sB")
-_WELCOME = struct.Struct(f"<{INSTANCE_ID_BYTES}sQI")
+_WELCOME = struct.Struct(f"<{INSTANCE_ID_BYTES}sQIQ")
 _AGENT_HEAD = struct.Struct("<QI")
 _BUDGET = struct.Struct("<I")
 _SEQ = struct.Struct("<Q")
@@ -364,24 +364,29 @@ def decode_auth(payload: bytes) -> tuple[bytes, str, bytes]:
 
 @dataclass(frozen=True)
 class Welcome:
-    """What an authenticated client learns about the peer: who it is and how big its slots are."""
+    """What an authenticated client learns about the peer: who it is, how big its slots are
+    and how many bytes of rows one request may name (so a client cuts its requests to fit
+    rather than having each refused)."""
 
     instance_id: bytes  # new at every start of the peer: a changed id means a restart
     slot_bytes: int  # the largest row the peer stores
     num_slots: int  # the slots of the client's tenant (its quota, or the whole pool)
+    max_request_bytes: int  # the peer's --max-request-bytes: at least one slot
 
 
 def encode_welcome(w: Welcome) -> bytes:
-    return _WELCOME.pack(w.instance_id, w.slot_bytes, w.num_slots)
+    return _WELCOME.pack(w.instance_id, w.slot_bytes, w.num_slots, w.max_request_bytes)
 
 
 def decode_welcome(payload: bytes) -> Welcome:
     r = _Reader(payload)
-    instance_id, slot_bytes, num_slots = r.unpack(_WELCOME)
+    instance_id, slot_bytes, num_slots, max_request_bytes = r.unpack(_WELCOME)
     r.end()
     if slot_bytes == 0 or num_slots == 0 or num_slots > MAX_SLOTS:
         raise ProtocolError("peer announces an empty pool")
-    return Welcome(instance_id, slot_bytes, num_slots)
+    if max_request_bytes < slot_bytes:
+        raise ProtocolError(f"peer announces requests of {max_request_bytes} B, under one slot")
+    return Welcome(instance_id, slot_bytes, num_slots, max_request_bytes)
 
 
 def encode_agent(probe_addr: int, metadata: bytes) -> bytes:

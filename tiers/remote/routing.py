@@ -60,17 +60,18 @@ def batches(idxs: list[int], size: int) -> list[list[int]]:
 
 
 def batches_by_bytes(idxs: list[int], sizes: Sequence[int], max_bytes: int, max_keys: int) -> list[list[int]]:
-    """``idxs`` cut into runs of about ``max_bytes`` of rows (``sizes[i]`` each; one row at
-    least) and at most ``max_keys`` keys: one request, and one transfer of the peer's, each."""
+    """``idxs`` cut into runs of at most ``max_bytes`` of rows (``sizes[i]`` each; one row at
+    least) and at most ``max_keys`` keys: one request, and one transfer of the peer's, each.
+    At most, not about: a peer refuses a request over its ``--max-request-bytes``."""
     out: list[list[int]] = []
     run: list[int] = []
     size = 0
     for i in idxs:
-        run.append(i)
-        size += sizes[i]
-        if size >= max_bytes or len(run) >= max_keys:
+        if run and (size + sizes[i] > max_bytes or len(run) >= max_keys):
             out.append(run)
             run, size = [], 0
+        run.append(i)
+        size += sizes[i]
     if run:
         out.append(run)
     return out

@@ -288,7 +288,9 @@ class PeerServer:
             self._connections[conn_id] = writer
             self._tenant_connections[tenant] += 1
             self.counters.connections += 1
-            welcome = proto.Welcome(self.instance_id, self.pool.slot_bytes, num_slots)
+            welcome = proto.Welcome(
+                self.instance_id, self.pool.slot_bytes, num_slots, self.settings.max_request_bytes
+            )
             await self._send(writer, session, proto.Msg.WELCOME, 0, proto.encode_welcome(welcome))
             agent = await self._load_agent(conn_id, tenant, session, reader, writer, peername)
             if agent is None:

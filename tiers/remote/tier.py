@@ -328,9 +328,8 @@ class RemoteTier(LowerTier):
 
         async def on_owner(link: Link, idxs: list[int]) -> None:
             try:
-                await on_parts(
-                    link, batches_by_bytes(idxs, sizes, self.transfer_bytes, self.keys_per_request)
-                )
+                max_bytes = min(self.transfer_bytes, link.welcome.max_request_bytes)
+                await on_parts(link, batches_by_bytes(idxs, sizes, max_bytes, self.keys_per_request))
             except GetAbandoned:
                 if abandoned is not None:
                     abandoned.append(link.peer.address)
