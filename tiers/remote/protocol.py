@@ -17,7 +17,7 @@ Handshake (challenge-response over a shared secret, so the token never travels):
 
     peer   -> CHALLENGE  magic, version, server nonce
     client -> AUTH       version, client nonce, tenant, HMAC(token, "client" | transcript)
-    peer   -> WELCOME    (sealed) instance id, slot size, slots of the tenant
+    peer   -> WELCOME    (sealed) instance id, slot size, slots of the tenant, request bound
     client -> AGENT      (sealed) the client's NIXL metadata, the address of its probe bytes
     peer   -> READY      (sealed) once the peer READ the probe bytes and found the value
                          only this session can put there
@@ -67,7 +67,7 @@ from enum import IntEnum
 
 from tiers.row_format import HEADER_BYTES
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: WELCOME carries the peer's request bound
 MAGIC = b"KVTP"
 NONCE_BYTES = 32
 MAC_BYTES = 32
