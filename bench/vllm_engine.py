@@ -11,10 +11,12 @@ a load, and where every loaded row came from. The model is a folder on disk (``t
 writes one); prompts are token ids, and there is no tokenizer.
 
 Commands (``EngineProcess`` methods): ``generate`` (greedy, with the sampled tokens'
-logprobs), ``timed`` (requests arriving on a schedule, with their time to first token),
-``reset_prefix_cache``, ``kvtier_stats``, ``remote_owners`` (which peer holds each block of
-a prompt), ``drop_rows`` (forget kvtier's host rows of one kind of KV group: the tests' way
-to take a hybrid's state rows away from its attention rows), ``shutdown``.
+logprobs; optionally under a LoRA adapter, or with ``kv_transfer_params``), ``timed``
+(requests arriving on a schedule, with their time to first token), ``reset_prefix_cache``,
+``kvtier_stats``, ``remote_owners`` (which peer holds each block of a prompt), ``drop_rows``
+(forget kvtier's host rows of one kind of KV group: the tests' way to take a hybrid's state
+rows away from its attention rows), ``groups`` (kvtier's indices of the KV groups of one
+kind, as its keys carry them), ``shutdown``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class EngineSpec:
     enforce_eager: bool = True  # starts in ~20 s; a compiled model prefills ~2.5x faster here
     prefix_caching: bool = True
     seed: int = 0
+    max_lora_rank: int | None = None  # serve LoRA adapters up to this rank (two at a time); None: no LoRA
     env: dict[str, str] = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict[str, Any]:
@@ -82,7 +85,18 @@ class EngineSpec:
             kwargs["num_gpu_blocks_override"] = self.device_blocks
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.max_lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)
         return kwargs
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter a request runs under: vLLM's ``LoRARequest(name, lora_id, path)``."""
+
+    name: str
+    lora_id: int  # vLLM's integer id, unique per adapter and > 0
+    path: str
 
 
 @dataclass
@@ -141,9 +155,22 @@ class EngineProcess:
     # -- commands ----------------------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int = 8, timeout_s: float = 600.0
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        timeout_s: float = 600.0,
+        *,
+        lora: Adapter | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[Completion]:
-        answer = self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s)
+        """Greedy completions of ``prompts``; under ``lora`` (the engine started with
+        ``max_lora_rank``), with ``kv_transfer_params`` (e.g. ``kv_load_tiers``) on each request."""
+        command: dict[str, Any] = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens}
+        if lora is not None:
+            command["lora"] = asdict(lora)
+        if kv_transfer_params is not None:
+            command["kv_transfer_params"] = kv_transfer_params
+        answer = self.call(command, timeout_s)
         return [Completion(**c) for c in answer["outputs"]]
 
     def timed(self, requests: list[dict[str, Any]], timeout_s: float = 3600.0) -> dict[str, Any]:
@@ -187,6 +214,11 @@ class EngineProcess:
         """Forget kvtier's host rows of the KV groups whose vLLM spec is a ``spec_type``
         (``"MambaSpec"``: a hybrid's recurrent states); the number of rows dropped."""
         return int(self.call({"op": "drop_rows", "spec_type": spec_type})["dropped"])
+
+    def groups(self, spec_type: str) -> list[int]:
+        """kvtier's indices of the KV groups whose vLLM spec is a ``spec_type``: the group
+        index a row's key ends with (``offload.keys.key_group``)."""
+        return list(self.call({"op": "groups", "spec_type": spec_type})["groups"])
 
     def call(self, command: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         self._send(command)
@@ -300,13 +332,24 @@ class _Child:
 
     # -- commands ----------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        lora: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, extra_args=extra
+        )
+        request = None if lora is None else LoRARequest(lora["name"], lora["lora_id"], lora["path"])
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=request
         )
         return {"outputs": [self._completion(o) for o in outputs]}
 
@@ -427,21 +470,28 @@ class _Child:
                 "peers_up": remote.peers_up(),
             }
 
+    def groups(self, spec_type: str) -> dict[str, Any]:
+        """kvtier's indices of the groups whose ``KVCacheSpec`` is a ``spec_type`` (by class
+        name, subclasses included)."""
+        adapter = self.kvtier_manager()
+        if adapter is None or not hasattr(adapter, "manager"):
+            raise ValueError("groups: the engine runs without kvtier")
+        vllm_groups = self.scheduler.kv_cache_config.kv_cache_groups
+        wanted = [
+            index
+            for index, group_id in enumerate(adapter.group_ids)
+            if any(cls.__name__ == spec_type for cls in type(vllm_groups[group_id].kv_cache_spec).__mro__)
+        ]
+        return {"groups": wanted}
+
     def drop_rows(self, spec_type: str) -> dict[str, Any]:
         """Forget the host rows of every group whose ``KVCacheSpec`` is a ``spec_type`` (by class
         name, subclasses included), as if evicted; the host tier's other rows stay."""
         from offload.keys import key_group
 
+        wanted = set(self.groups(spec_type)["groups"])
         adapter = self.kvtier_manager()
-        if adapter is None or not hasattr(adapter, "manager"):
-            raise ValueError("drop_rows: the engine runs without kvtier")
         manager = adapter.manager
-        vllm_groups = self.scheduler.kv_cache_config.kv_cache_groups
-        wanted = {
-            index
-            for index, group_id in enumerate(adapter.group_ids)
-            if any(cls.__name__ == spec_type for cls in type(vllm_groups[group_id].kv_cache_spec).__mro__)
-        }
         with adapter.lock:
             manager.poll()
             dropped = manager.discard([key for key in manager.held_keys() if key_group(key) in wanted])
@@ -502,7 +552,14 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                 return
             assert child is not None, "start the engine first"
             if op == "generate":
-                answer(child.generate(command["prompts"], command["max_tokens"]))
+                answer(
+                    child.generate(
+                        command["prompts"],
+                        command["max_tokens"],
+                        command.get("lora"),
+                        command.get("kv_transfer_params"),
+                    )
+                )
             elif op == "timed":
                 answer(child.timed(command["requests"]))
             elif op == "reset_prefix_cache":
@@ -513,6 +570,8 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                 answer(child.remote_owners(command["prompt"]))
             elif op == "drop_rows":
                 answer(child.drop_rows(command["spec_type"]))
+            elif op == "groups":
+                answer(child.groups(command["spec_type"]))
             else:
                 answer({"error": f"unknown command {op!r}"})
         except Exception as exc:  # the parent gets the error; the engine stays up when it can

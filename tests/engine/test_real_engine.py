@@ -97,18 +97,39 @@ def chain(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str
     return lower_tier_config("mooncake", tmp_path, master=master.address, deadline_s=2.0)
 
 
-def test_an_fp8_kv_cache_comes_back_exact_from_the_host_tier(make_engine):
+FROM_PEERS = {"kv_load_tiers": [{"locality": "REMOTE"}]}
+"""A request's ``kv_transfer_params`` that loads from the host tier and the remote tiers only
+(vLLM's per-request tier filter): how one engine over a disk and a peer reads the peer."""
+
+
+def test_an_fp8_kv_cache_comes_back_exact_from_the_host_the_disk_and_a_peer(peer, make_engine, tmp_path):
     """vLLM 0.32's CPU engine runs ``kv_cache_dtype="fp8"`` (one byte an element); kvtier
-    keys its rows by the fingerprint, the dtype named in the start log, and loads them exact."""
-    engine = make_engine(kv_cache_dtype="fp8")
+    keys its rows by the fingerprint, the dtype named in the start log, and loads them exact
+    from each tier: one engine over the host tier, a disk and a ``kvtier peer``, both written
+    through; the prefix comes from the host tier, then (the host tier reset) from disk, then
+    (reset again, the request loading from remote tiers only) from the peer."""
+    config = lower_tier_config("disk", tmp_path)
+    config["tiers"].append(
+        lower_tier_config("remote", tmp_path, peers=[peer.address], deadline_s=2.0)["tiers"][1]
+    )
+    engine = make_engine(kv_cache_dtype="fp8", kvtier_config=config)
     _cold, reference = cold_and_reference(engine)
     assert engine.reset_prefix_cache()
 
-    again = engine.generate([DOC])[0]
+    from_host = engine.generate([DOC])[0]
 
-    assert again.external_cached_tokens == FULL_BLOCKS * BLOCK, "the whole prefix from kvtier"
-    assert_exact(again, reference)
+    assert from_host.external_cached_tokens == FULL_BLOCKS * BLOCK, "the whole prefix from kvtier"
+    assert_exact(from_host, reference)
     assert engine.kvtier_stats()["loaded_rows_by_tier"] == {"host": ROWS}
+    wait_spilled(engine, 2 * ROWS)  # to the disk and to the peer
+    loaded = {"host": ROWS}
+    for tier, params in (("disk", None), ("remote", FROM_PEERS)):
+        assert engine.reset_prefix_cache(connector=True)
+        again = engine.generate([DOC], kv_transfer_params=params)[0]
+        assert again.external_cached_tokens == FULL_BLOCKS * BLOCK, f"the whole prefix from {tier}"
+        assert_exact(again, reference)
+        loaded[tier] = ROWS
+        assert engine.kvtier_stats()["loaded_rows_by_tier"] == loaded
     assert_another_document_differs(engine, reference)
     log = engine.log_path.read_text(errors="replace")
     assert "fingerprint only: KV cache dtype 'fp8' (a quantised cache)" in log

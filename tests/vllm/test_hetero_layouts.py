@@ -11,6 +11,8 @@ counts, or another dtype, must miss: never converted garbage.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -160,6 +162,43 @@ def test_a_quantised_kv_cache_shares_rows_only_with_its_own_dtype(
         assert set(range(len(PREFIX))) <= computed
     assert engine.spec.config.model.dtype == reader
     assert engine.spec.row_layout is not None and engine.spec.row_layout.dtype == reader
+
+
+def disk_namespaces(tmp_path) -> dict[bytes, int]:
+    """The namespaces of the rows in the disk tier at ``tmp_path / "disk"`` (its LMDB index,
+    read once the tier is closed), with each one's number of rows."""
+    import lmdb
+
+    from tiers.disk.lmdb_store import INDEX_DB
+    from tiers.disk.tier import NAMESPACE_BYTES
+
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=3, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(INDEX_DB, create=False)) as txn:
+            keys = list(txn.cursor().iternext(values=False))
+    finally:
+        env.close()
+    return dict(Counter(key[:NAMESPACE_BYTES] for key in keys))
+
+
+@pytest.mark.parametrize(("writer", "reader"), [("fp8", "auto"), ("auto", "fp8")])
+def test_an_fp8_cache_and_one_of_the_models_dtype_never_share_a_row(make_engine, tmp_path, writer, reader):
+    """An fp8 engine and an engine caching in the model's dtype (``auto``: float16 here),
+    the same layout otherwise, over one disk: a miss for the reader, which stores the prefix
+    again under a namespace of its own (the dtype is in it), beside the writer's rows."""
+    engine, loaded, computed = share_through_disk(
+        make_engine,
+        tmp_path,
+        {"layout": "LBNHC", "kv_cache_dtype": writer},
+        {"layout": "LBNHC", "kv_cache_dtype": reader},
+    )
+    assert loaded == [], "a cache of another dtype must never read these rows"
+    assert set(range(len(PREFIX))) <= computed
+    assert engine.manager.manager.lower.engine.wait_idle(10)
+    engine.shutdown()  # one process opens an LMDB environment once
+    engine.shutdown = lambda: None
+    namespaces = disk_namespaces(tmp_path)
+    assert len(namespaces) == 2 and min(namespaces.values()) >= ROWS, "two namespaces, disjoint rows"
 
 
 # -- other block sizes: rows keyed by their tokens (KVTierConnector) ------------------------
