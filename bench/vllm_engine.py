@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ class EngineSpec:
     kv_connector: str = "OffloadingConnector"
     dtype: str = "auto"  # the model's own (bfloat16); "float32" prefills ~3x faster on CPUs without AVX-512
     kv_cache_dtype: str = "auto"  # the model's dtype; or a quantised cache ("fp8", "fp8_e4m3", "fp8_e5m2")
+    attention_backend: str | None = None  # vLLM's choice; or a name ("CPU_MLA": not AMX_MLA on AMX hosts)
     block_size: int = 32  # vLLM's CPU attention takes multiples of 32
     device_blocks: int | None = None  # num_gpu_blocks_override: a device cache smaller than the work
     kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
@@ -62,6 +64,8 @@ class EngineSpec:
     prefix_caching: bool = True
     seed: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    # "module:function" the child calls before it builds the engine (a test's patch to vLLM)
+    child_setup: str | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -78,6 +82,8 @@ class EngineSpec:
         }
         if self.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.attention_backend is not None:
+            kwargs["attention_backend"] = self.attention_backend
         if self.device_blocks is not None:
             kwargs["num_gpu_blocks_override"] = self.device_blocks
         if self.max_num_batched_tokens is not None:
@@ -141,9 +147,17 @@ class EngineProcess:
     # -- commands ----------------------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int = 8, timeout_s: float = 600.0
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        timeout_s: float = 600.0,
+        *,
+        cache_salt: str | None = None,
     ) -> list[Completion]:
-        answer = self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s)
+        """Greedy completions; ``cache_salt``: the prompts' KV is keyed apart from unsalted
+        runs' (the same KV computed, stored and found under other keys)."""
+        command = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "cache_salt": cache_salt}
+        answer = self.call(command, timeout_s)
         return [Completion(**c) for c in answer["outputs"]]
 
     def timed(self, requests: list[dict[str, Any]], timeout_s: float = 3600.0) -> dict[str, Any]:
@@ -252,6 +266,9 @@ class _Child:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
+        if spec.child_setup is not None:
+            module_name, _, function = spec.child_setup.partition(":")
+            getattr(importlib.import_module(module_name), function)()
         kwargs = spec.llm_kwargs()
         if spec.kvtier is not None:
             module = (
@@ -300,13 +317,14 @@ class _Child:
 
     # -- commands ----------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, cache_salt: str | None) -> dict[str, Any]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p, **salt) for p in prompts], params, use_tqdm=False
         )
         return {"outputs": [self._completion(o) for o in outputs]}
 
@@ -502,7 +520,7 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                 return
             assert child is not None, "start the engine first"
             if op == "generate":
-                answer(child.generate(command["prompts"], command["max_tokens"]))
+                answer(child.generate(command["prompts"], command["max_tokens"], command.get("cache_salt")))
             elif op == "timed":
                 answer(child.timed(command["requests"]))
             elif op == "reset_prefix_cache":
