@@ -83,9 +83,10 @@ def mla_engine(make_engine: Any, tmp_path: Path, config: dict[str, Any], block: 
 
 def warm_up(engine: Any, name: str) -> None:
     """A one-row prompt first: the first lookup that asks the peer also sets up UCX's
-    connection to it, seconds on a busy 2-core machine. (Once in two runs here, a prompt
-    whose lookups waited that long was computed but its rows were never reported stored:
-    ``stored_rows`` 0, nothing spilled. Not this test's subject; reported apart.)"""
+    connection to it, seconds on a busy 2-core machine. (Once in about 15 engines here, a
+    prompt whose lookups were retried that long, 199 lookups, was computed but its rows were
+    never reported stored: ``stored_rows`` 0 with 18 host rows held, nothing spilled. Not
+    this test's subject; reported apart.)"""
     engine.generate([WARM_UP], max_tokens=1, cache_salt=f"warm-up {name}")  # neither loads the other's
 
 
