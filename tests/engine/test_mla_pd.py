@@ -20,8 +20,9 @@ loading its *own* rows can: D computes the prompt under another cache salt (the 
 stored under other keys), loads it back from the peer, then loads P's converted rows. The
 two loads attend the same KV if and only if the conversion gave D's bytes, so their tokens
 and logprobs must be equal bit for bit. The check can fail: one converted row with two
-tokens swapped (``mla_blocks.swap_a_token_pair_after``) gives other logprobs, and a
-recompute gives the cold run's.
+tokens swapped (``mla_blocks.swap_a_token_pair_after``) gives other logprobs in float32
+(in bfloat16 they came out bit-identical: its logits are too coarse, hence float32 here),
+and a recompute gives the cold run's.
 """
 
 from __future__ import annotations
