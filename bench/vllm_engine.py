@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ class EngineSpec:
     kv_connector: str = "OffloadingConnector"
     dtype: str = "auto"  # the model's own (bfloat16); "float32" prefills ~3x faster on CPUs without AVX-512
     kv_cache_dtype: str = "auto"  # the model's dtype; or a quantised cache ("fp8", "fp8_e4m3", "fp8_e5m2")
+    attention_backend: str | None = None  # vLLM's choice; or a name ("CPU_MLA": not AMX_MLA on AMX hosts)
     block_size: int = 32  # vLLM's CPU attention takes multiples of 32
     device_blocks: int | None = None  # num_gpu_blocks_override: a device cache smaller than the work
     kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
@@ -65,6 +67,8 @@ class EngineSpec:
     seed: int = 0
     max_lora_rank: int | None = None  # serve LoRA adapters up to this rank (two at a time); None: no LoRA
     env: dict[str, str] = field(default_factory=dict)
+    # "module:function" the child calls before it builds the engine (a test's patch to vLLM)
+    child_setup: str | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -81,6 +85,8 @@ class EngineSpec:
         }
         if self.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.attention_backend is not None:
+            kwargs["attention_backend"] = self.attention_backend
         if self.device_blocks is not None:
             kwargs["num_gpu_blocks_override"] = self.device_blocks
         if self.max_num_batched_tokens is not None:
@@ -162,14 +168,19 @@ class EngineProcess:
         *,
         lora: Adapter | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> list[Completion]:
         """Greedy completions of ``prompts``; under ``lora`` (the engine started with
-        ``max_lora_rank``), with ``kv_transfer_params`` (e.g. ``kv_load_tiers``) on each request."""
+        ``max_lora_rank``), with ``kv_transfer_params`` (e.g. ``kv_load_tiers``) on each request;
+        ``cache_salt``: the prompts' KV is keyed apart from unsalted runs' (the same KV
+        computed, stored and found under other keys)."""
         command: dict[str, Any] = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens}
         if lora is not None:
             command["lora"] = asdict(lora)
         if kv_transfer_params is not None:
             command["kv_transfer_params"] = kv_transfer_params
+        if cache_salt is not None:
+            command["cache_salt"] = cache_salt
         answer = self.call(command, timeout_s)
         return [Completion(**c) for c in answer["outputs"]]
 
@@ -284,6 +295,9 @@ class _Child:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
+        if spec.child_setup is not None:
+            module_name, _, function = spec.child_setup.partition(":")
+            getattr(importlib.import_module(module_name), function)()
         kwargs = spec.llm_kwargs()
         if spec.kvtier is not None:
             module = (
@@ -338,6 +352,7 @@ class _Child:
         max_tokens: int,
         lora: dict[str, Any] | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -348,8 +363,12 @@ class _Child:
             max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, extra_args=extra
         )
         request = None if lora is None else LoRARequest(lora["name"], lora["lora_id"], lora["path"])
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=request
+            [TokensPrompt(prompt_token_ids=p, **salt) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=request,
         )
         return {"outputs": [self._completion(o) for o in outputs]}
 
@@ -558,6 +577,7 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                         command["max_tokens"],
                         command.get("lora"),
                         command.get("kv_transfer_params"),
+                        command.get("cache_salt"),
                     )
                 )
             elif op == "timed":
