@@ -212,7 +212,11 @@ class RemoteTier(LowerTier):
 
             with contextlib.suppress(Exception):
                 await agent.call(teardown, GRACE_S * 4)
-            await asyncio.to_thread(agent.close)
+            # On this thread, not the loop's executor: vLLM closes its connector from a
+            # weakref finaliser at interpreter exit, where that executor was found already
+            # shut down ("cannot schedule new futures after shutdown") and the agent was
+            # left open. Bounded by the join timeout of the agent's threads.
+            agent.close()
 
     # -- the LowerTier verbs ----------------------------------------------------------------
 
