@@ -272,10 +272,12 @@ class DiskTier(LowerTier):
             )
 
     async def close(self) -> None:
-        """Wait for work in flight, then release LMDB and the directory lock."""
+        """Wait for work in flight, then release LMDB and the directory lock. On the calling
+        thread, not an executor: vLLM closes its connector from a finaliser at interpreter
+        exit, where no executor takes new work any more (the tier was left open there)."""
         if self._writer is None:
             return
-        await asyncio.get_running_loop().run_in_executor(None, self._shutdown_blocking)
+        self._shutdown_blocking()
 
     def _shutdown_blocking(self) -> None:
         for pool in (self._writer, self._readers):
