@@ -102,6 +102,8 @@ def run_family(name: str, models: Path, *, tp: int, dtype: str, kvtier: bool) ->
                     assert engine.reset_prefix_cache()
                 loaded = engine.generate([doc])[0]
                 result["loaded_tokens"] = loaded.external_cached_tokens
+                result["reference"] = {"tokens": reference.tokens, "logprobs": reference.logprobs}
+                result["loaded"] = {"tokens": loaded.tokens, "logprobs": loaded.logprobs}
                 result["tokens_equal"] = loaded.tokens == reference.tokens
                 result["logprobs_equal"] = loaded.logprobs == reference.logprobs
                 result["max_logprob_diff"] = max(

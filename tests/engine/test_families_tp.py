@@ -7,7 +7,7 @@ heads); a host row holds both ranks' pages side by side, one band per rank
 (``offload/vllm/canonical.py``). The Llama's TP=2 test (``test_real_engine``) covers one
 attention group; these add the sharded recurrent states, the hybrids' state row beside
 their attention rows: Nemotron-H's Mamba-2 and Qwen3-Next's gated delta-net (whose MoE
-MLPs shard their experts over the ranks too). Qwen3-MoE, Gemma-2 (sliding and global
+MLPs are sharded over the ranks too). Qwen3-MoE, Gemma-2 (sliding and global
 groups) and Granite-4-H pass the same steps by hand, ``bench.family_tensor_parallel``: an
 engine at TP=2 costs about a minute of CI time, so CI runs the two most distinct
 (``docs/models.md``).
