@@ -16,7 +16,8 @@ logprobs; optionally under a LoRA adapter, or with ``kv_transfer_params``), ``ti
 ``kvtier_stats``, ``remote_owners`` (which peer holds each block of a prompt), ``drop_rows``
 (forget kvtier's host rows of one kind of KV group: the tests' way to take a hybrid's state
 rows away from its attention rows), ``groups`` (kvtier's indices of the KV groups of one
-kind, as its keys carry them), ``shutdown``.
+kind, as its keys carry them), ``row_bands`` (digests of each tensor-parallel rank's band of
+those rows, and a way to swap them between ranks), ``shutdown``.
 """
 
 from __future__ import annotations
@@ -230,6 +231,15 @@ class EngineProcess:
         """kvtier's indices of the KV groups whose vLLM spec is a ``spec_type``: the group
         index a row's key ends with (``offload.keys.key_group``)."""
         return list(self.call({"op": "groups", "spec_type": spec_type})["groups"])
+
+    def row_bands(self, spec_type: str, bands: int, *, rotate: bool = False) -> list[dict[str, Any]]:
+        """kvtier's host rows of the KV groups whose vLLM spec is a ``spec_type``, cut into
+        ``bands`` bands (one per tensor-parallel rank): per row, ``digests`` (one per band)
+        and ``zero`` (per band: all zero bytes). ``rotate``: then move every row's bands one
+        rank down, so each rank would load another rank's bytes (a test's way to show a
+        load reads its own rank's band)."""
+        answer = self.call({"op": "row_bands", "spec_type": spec_type, "bands": bands, "rotate": rotate})
+        return list(answer["rows"])
 
     def call(self, command: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         self._send(command)
@@ -495,13 +505,7 @@ class _Child:
         adapter = self.kvtier_manager()
         if adapter is None or not hasattr(adapter, "manager"):
             raise ValueError("groups: the engine runs without kvtier")
-        vllm_groups = self.scheduler.kv_cache_config.kv_cache_groups
-        wanted = [
-            index
-            for index, group_id in enumerate(adapter.group_ids)
-            if any(cls.__name__ == spec_type for cls in type(vllm_groups[group_id].kv_cache_spec).__mro__)
-        ]
-        return {"groups": wanted}
+        return {"groups": sorted(self._groups_of(adapter, spec_type))}
 
     def drop_rows(self, spec_type: str) -> dict[str, Any]:
         """Forget the host rows of every group whose ``KVCacheSpec`` is a ``spec_type`` (by class
@@ -516,7 +520,54 @@ class _Child:
             dropped = manager.discard([key for key in manager.held_keys() if key_group(key) in wanted])
         return {"dropped": dropped, "groups": sorted(wanted)}
 
+    def row_bands(self, spec_type: str, bands: int, rotate: bool) -> dict[str, Any]:
+        """The host rows of every group whose ``KVCacheSpec`` is a ``spec_type``, each cut
+        into ``bands`` equal bands (one per tensor-parallel rank: ``canonical.HostLayout``):
+        a digest of each band's bytes, and whether the band is all zeros. ``rotate``: then
+        move every band one rank down (rank ``r`` finds rank ``r + 1``'s bytes), as a worker
+        writing or reading another rank's band would leave them."""
+        import hashlib
+
+        from offload.keys import key_group
+
+        adapter = self.kvtier_manager()
+        if adapter is None or not hasattr(adapter, "manager"):
+            raise ValueError("row_bands: the engine runs without kvtier")
+        manager = adapter.manager
+        wanted = self._groups_of(adapter, spec_type)
+        rows = []
+        with adapter.lock:
+            manager.poll()
+            for key in manager.held_keys():
+                slot = manager.slot_of(key)
+                if key_group(key) not in wanted or slot is None:
+                    continue
+                row = adapter.host.row(key_group(key), slot)
+                if row.numel() % bands:
+                    raise ValueError(f"row_bands: a {row.numel()} B row is not {bands} equal bands")
+                parts = row.view(bands, -1)
+                rows.append(
+                    {
+                        "digests": [
+                            hashlib.blake2b(p.numpy().tobytes(), digest_size=8).hexdigest() for p in parts
+                        ],
+                        "zero": [not bool(p.any()) for p in parts],
+                    }
+                )
+                if rotate:
+                    parts.copy_(parts.roll(-1, dims=0))
+        return {"rows": rows, "groups": sorted(wanted)}
+
     # -- helpers -----------------------------------------------------------------------
+
+    def _groups_of(self, adapter: Any, spec_type: str) -> set[int]:
+        """kvtier's indices of the KV groups whose vLLM spec is a ``spec_type`` (by class name)."""
+        vllm_groups = self.scheduler.kv_cache_config.kv_cache_groups
+        return {
+            index
+            for index, group_id in enumerate(adapter.group_ids)
+            if any(cls.__name__ == spec_type for cls in type(vllm_groups[group_id].kv_cache_spec).__mro__)
+        }
 
     def _next_id(self) -> str:
         self._ids += 1
@@ -592,6 +643,8 @@ def _serve(commands: IO[str], answers: IO[str]) -> None:
                 answer(child.drop_rows(command["spec_type"]))
             elif op == "groups":
                 answer(child.groups(command["spec_type"]))
+            elif op == "row_bands":
+                answer(child.row_bands(command["spec_type"], command["bands"], command.get("rotate", False)))
             else:
                 answer({"error": f"unknown command {op!r}"})
         except Exception as exc:  # the parent gets the error; the engine stays up when it can

@@ -734,6 +734,10 @@ class HostTierManager:
         """The keys of the host rows held now (readable or not)."""
         return list(self._slots)
 
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The host slot (in its group) holding ``key``'s row now; None where none does."""
+        return self._slots.get(key)
+
     def num_free_slots(self, group: int) -> int:
         return self._allocators[group].num_free
 

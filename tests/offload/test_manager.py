@@ -487,3 +487,16 @@ def test_discard_leaves_pinned_rows():
     m.prepare_load([k(1)])
     assert m.discard([k(1)]) == 0
     assert m.lookup(k(1)) == HIT
+
+
+def test_slot_of_is_the_slot_a_load_reads_and_none_once_the_row_is_gone():
+    """The engine tests read a row's bytes where ``slot_of`` says (``row_bands``)."""
+    m = manager(slots=2, groups=2)
+    stored(m, 1, 2, group=1)
+    slots = m.prepare_load([k(1, 1), k(2, 1)]).slots
+    m.complete_load([k(1, 1), k(2, 1)])
+
+    assert [m.slot_of(k(1, 1)), m.slot_of(k(2, 1))] == slots
+    assert m.slot_of(k(1, 0)) is None  # the same block, another group: not held
+    m.discard([k(1, 1)])
+    assert m.slot_of(k(1, 1)) is None
