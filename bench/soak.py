@@ -321,7 +321,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             after = None if want is None else loaded_from_kvtier(server, prompts)
             pids = [server.process.pid, *_children(server.process.pid)]
             pids += [] if peer_pid is None else [peer_pid]
-        left = [pid for pid in pids if _alive(pid)]
+        left = _still_running(pids)
     finally:
         leftover_shm = sorted(os.listdir(shm_dir)) if shm_dir.exists() else []
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -396,6 +396,18 @@ def _children(pid: int) -> list[int]:
     with contextlib.suppress(psutil.Error):
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     return []
+
+
+def _still_running(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """The pids still alive ``grace_s`` after the server stopped: a child that exits a moment
+    after its parent (vLLM's ``python`` helper of the API server did, in a control run) is
+    not left running."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = [pid for pid in pids if _alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:

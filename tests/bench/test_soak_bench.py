@@ -2,10 +2,13 @@
 over them, and the control's options."""
 
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
 
-from bench.soak import _rss_kinds, _tree, flatness, parse_args, process_series
+from bench.soak import _rss_kinds, _still_running, _tree, flatness, parse_args, process_series
 
 
 def _sample(t_s: float, engine_anon_mib: float) -> dict:
@@ -55,3 +58,16 @@ def test_control_and_server_env_options():
     assert args.no_kvtier and args.server_env == [("MALLOC_ARENA_MAX", "2")]
     with pytest.raises(SystemExit):
         parse_args(["--server-env", "NOVALUE"])
+
+
+def test_a_process_that_exits_within_the_grace_is_not_left_running():
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        waiter = threading.Thread(target=quick.wait)  # reap it, as its parent would
+        waiter.start()
+        assert _still_running([quick.pid, slow.pid], grace_s=3.0) == [slow.pid]
+        waiter.join()
+    finally:
+        slow.kill()
+        slow.wait()
