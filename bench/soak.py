@@ -8,10 +8,14 @@ during warm-up so that the run spends its time evicting, not growing. vLLM's own
 each batch with new prompts (its own seed), until the time is up.
 
 What is watched, every ``--sample-s``: the server's process tree (RSS, open fds, threads,
-processes), ``/dev/shm`` (kvtier's host-tier folder there, and the filesystem's use, which
-other processes on the machine share), the disk tier's size, the peer's RSS, fds and
-threads; failed requests per batch. Flatness is judged after warm-up: over the second half
-of the run, max - min against the first sample after warm-up.
+processes; each process's RSS by kind: anonymous, file, shared), ``/dev/shm`` (kvtier's
+host-tier folder there, and the filesystem's use, which other processes on the machine
+share), the disk tier's size, the peer's RSS, fds and threads; failed requests per batch.
+Flatness is judged after warm-up: over the second half of the run, max - min against the
+first sample after warm-up.
+
+``--no-kvtier`` is the control: the same client against vLLM alone (no peer, no output
+check), which tells kvtier's growth from vLLM's own.
 
 Outputs are checked before and after: a fixed set of prompts is answered (greedy, with
 logprobs) by vLLM alone from its device prefix cache, then by the soaked server with the
