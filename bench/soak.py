@@ -8,10 +8,14 @@ during warm-up so that the run spends its time evicting, not growing. vLLM's own
 each batch with new prompts (its own seed), until the time is up.
 
 What is watched, every ``--sample-s``: the server's process tree (RSS, open fds, threads,
-processes), ``/dev/shm`` (kvtier's host-tier folder there, and the filesystem's use, which
-other processes on the machine share), the disk tier's size, the peer's RSS, fds and
-threads; failed requests per batch. Flatness is judged after warm-up: over the second half
-of the run, max - min against the first sample after warm-up.
+processes; each process's RSS by kind: anonymous, file, shared), ``/dev/shm`` (kvtier's
+host-tier folder there, and the filesystem's use, which other processes on the machine
+share), the disk tier's size, the peer's RSS, fds and threads; failed requests per batch.
+Flatness is judged after warm-up: over the second half of the run, max - min against the
+first sample after warm-up.
+
+``--no-kvtier`` is the control: the same client against vLLM alone (no peer, no output
+check), which tells kvtier's growth from vLLM's own.
 
 Outputs are checked before and after: a fixed set of prompts is answered (greedy, with
 logprobs) by vLLM alone from its device prefix cache, then by the soaked server with the
@@ -62,21 +66,44 @@ def _du(path: Path) -> int:
     return total
 
 
+def _rss_kinds(pid: int) -> dict[str, int]:
+    """A process's resident memory by kind (``/proc/PID/status``, bytes): ``anon`` (its heap:
+    what a leak grows), ``file`` (mapped files: code, the disk tier's maps) and ``shmem``
+    (shared memory: kvtier's host tier)."""
+    kinds = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    found: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, rest = line.partition("\t")
+            if name in kinds:
+                found[kinds[name]] = int(rest.split()[0]) * 1024
+    return found
+
+
 def _tree(pid: int) -> dict[str, Any]:
-    """RSS, fds and threads summed over ``pid`` and its descendants (and each one's RSS)."""
+    """RSS, fds and threads summed over ``pid`` and its descendants; and each process's RSS
+    by kind (``rss_by_name``: the root is ``server``, the others by their process name, which
+    vLLM sets: ``VLLM::EngineCore``), to tell which process grows and how."""
     import psutil
 
     root = psutil.Process(pid)
     procs = [root, *root.children(recursive=True)]
     totals: dict[str, Any] = {"rss": 0, "fds": 0, "threads": 0, "processes": 0, "rss_by_pid": {}}
+    by_name: dict[str, dict[str, int]] = {}
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             rss = proc.memory_info().rss
+            name = "server" if proc.pid == pid else proc.name()
             totals["rss_by_pid"][f"{proc.pid} {proc.name()}"] = rss  # which process grows
+            mine = by_name.setdefault(name, {"rss": 0, "anon": 0, "file": 0, "shmem": 0})
+            mine["rss"] += rss
+            for kind, value in _rss_kinds(proc.pid).items():
+                mine[kind] += value
             totals["rss"] += rss
             totals["fds"] += proc.num_fds()
             totals["threads"] += proc.num_threads()
             totals["processes"] += 1
+    totals["rss_by_name"] = by_name
     return totals
 
 
@@ -84,7 +111,7 @@ class Sampler(threading.Thread):
     """Samples the server, the peer and the tiers' files every ``period_s`` until stopped."""
 
     def __init__(
-        self, server: ServerProcess, peer_pid: int, shm_dir: Path, disk_dir: Path, period_s: float
+        self, server: ServerProcess, peer_pid: int | None, shm_dir: Path, disk_dir: Path, period_s: float
     ) -> None:
         super().__init__(daemon=True, name="soak-sampler")
         self.server, self.peer_pid = server, peer_pid
@@ -99,7 +126,7 @@ class Sampler(threading.Thread):
         metrics: dict[str, float] = {}
         with contextlib.suppress(OSError):
             metrics = self.server.metrics()
-        peer = _tree(self.peer_pid)
+        peer = _tree(self.peer_pid) if self.peer_pid is not None else {"rss": 0, "fds": 0, "threads": 0}
         return {
             "t_s": round(time.monotonic() - self.started, 1),
             "server": _tree(self.server.process.pid),
@@ -136,6 +163,21 @@ SERIES = {
 }
 
 
+def _by_process(name: str, kind: str) -> Any:
+    return lambda s: s["server"].get("rss_by_name", {}).get(name, {}).get(kind, 0) / 2**20
+
+
+def process_series(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One series per process of the server's tree (by name) and kind of RSS: which process
+    grows, and whether it is its heap (``anon``), mapped files or shared memory."""
+    names = sorted({n for s in samples for n in s["server"].get("rss_by_name", {})})
+    return {
+        f"{name} {kind} (MiB)": _by_process(name, kind)
+        for name in names
+        for kind in ("rss", "anon", "file", "shmem")
+    }
+
+
 def flatness(samples: list[dict[str, Any]], warm_up_s: float) -> dict[str, dict[str, float]]:
     """Per series: the first sample after warm-up, min and max over the run's second half,
     their spread, and the last sample minus the first after warm-up."""
@@ -143,7 +185,7 @@ def flatness(samples: list[dict[str, Any]], warm_up_s: float) -> dict[str, dict[
     half = samples[-1]["t_s"] / 2
     second = [s for s in samples if s["t_s"] >= half] or samples[-1:]
     table = {}
-    for name, get in SERIES.items():
+    for name, get in {**SERIES, **process_series(samples)}.items():
         values = [get(s) for s in second]
         first = get(after[0])
         table[name] = {
@@ -225,30 +267,16 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = str(write_model(workdir / "models"))
         write_tokenizer(model_dir, TinyLlama().vocab)
         prompts = [document(9000 + i, FIXED_TOKENS) for i in range(FIXED_PROMPTS)]
-        print("reference: vLLM alone, device prefix cache ...", flush=True)
-        want = reference(sizes, model_dir, prompts, workdir)
+        want = None
+        if not args.no_kvtier:
+            print("reference: vLLM alone, device prefix cache ...", flush=True)
+            want = reference(sizes, model_dir, prompts, workdir)
         with contextlib.ExitStack() as stack:
-            peer_sizes = replace(sizes, lower_bytes=tiers.peer_bytes)
-            peer = stack.enter_context(_peer(workdir, peer_sizes))
-            peer_pid = _peer_pid(workdir)
-            extra = {
-                "spec_name": "KVTierOffloadingSpec",
-                "spec_module_path": "offload.vllm",
-                "cpu_bytes_to_use": tiers.host_bytes,
-                "shm_dir": str(shm_dir),
-                "kvtier_config": {
-                    "tiers": [
-                        {"kind": "host", "eviction": "lru"},
-                        {
-                            "kind": "disk",
-                            "path": str(workdir / "disk"),
-                            "capacity": tiers.disk_bytes,
-                            "admission": "all",
-                        },
-                        {**peer, "capacity": tiers.peer_bytes},
-                    ]
-                },
-            }
+            extra, peer_pid = None, None
+            if not args.no_kvtier:
+                peer = stack.enter_context(_peer(workdir, replace(sizes, lower_bytes=tiers.peer_bytes)))
+                peer_pid = _peer_pid(workdir)
+                extra = _kvtier_extra(tiers, workdir, shm_dir, peer)
             spec = ServerSpec(
                 model_dir,
                 kvtier=extra,
@@ -256,11 +284,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=sizes.block_size,
                 device_blocks=sizes.device_blocks,
                 max_model_len=sizes.max_model_len,
+                env=dict(args.server_env),
             )
-            print("vllm serve with kvtier host + disk + peer ...", flush=True)
+            print(
+                "vllm serve alone (the control) ..."
+                if args.no_kvtier
+                else "vllm serve with kvtier host + disk + peer ...",
+                flush=True,
+            )
             server = stack.enter_context(ServerProcess(spec, workdir / "server.log"))
             server.complete(WARM_UP, max_tokens=2)
-            before = loaded_from_kvtier(server, prompts)
+            before = None if want is None else loaded_from_kvtier(server, prompts)
             sampler = Sampler(server, peer_pid, shm_dir, workdir / "disk", args.sample_s)
             sampler.start()
             deadline = time.monotonic() + args.minutes * 60  # the client's time, after the starts
@@ -288,9 +322,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                     flush=True,
                 )
             sampler.stop()
-            after = loaded_from_kvtier(server, prompts)
-            pids = [server.process.pid, peer_pid, *_children(server.process.pid)]
-        left = [pid for pid in pids if _alive(pid)]
+            after = None if want is None else loaded_from_kvtier(server, prompts)
+            pids = [server.process.pid, *_children(server.process.pid)]
+            pids += [] if peer_pid is None else [peer_pid]
+        left = _still_running(pids)
     finally:
         leftover_shm = sorted(os.listdir(shm_dir)) if shm_dir.exists() else []
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -307,13 +342,44 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "requests": sum(b["completed"] for b in batches),
         "failed": sum(b["failed"] for b in batches),
         "batches": batches,
-        "outputs_before": compare(before["answers"], want) | {"kvtier_tokens": before["kvtier_tokens"]},
-        "outputs_after": compare(after["answers"], want) | {"kvtier_tokens": after["kvtier_tokens"]},
+        "kvtier": not args.no_kvtier,
+        "server_env": dict(args.server_env),
+        "outputs_before": _outputs(before, want),
+        "outputs_after": _outputs(after, want),
         "flatness": flatness(sampler.samples, warm_up_s),
         "samples": sampler.samples,
         "left_running": left,
         "left_in_shm": leftover_shm,
     }
+
+
+def _kvtier_extra(tiers: SoakSizes, workdir: Path, shm_dir: Path, peer: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``kv_connector_extra_config``: kvtier over the host, disk and peer tiers."""
+    return {
+        "spec_name": "KVTierOffloadingSpec",
+        "spec_module_path": "offload.vllm",
+        "cpu_bytes_to_use": tiers.host_bytes,
+        "shm_dir": str(shm_dir),
+        "kvtier_config": {
+            "tiers": [
+                {"kind": "host", "eviction": "lru"},
+                {
+                    "kind": "disk",
+                    "path": str(workdir / "disk"),
+                    "capacity": tiers.disk_bytes,
+                    "admission": "all",
+                },
+                {**peer, "capacity": tiers.peer_bytes},
+            ]
+        },
+    }
+
+
+def _outputs(got: dict[str, Any] | None, want: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The fixed prompts' check (None for the control: there is nothing of kvtier's to check)."""
+    if got is None or want is None:
+        return None
+    return compare(got["answers"], want) | {"kvtier_tokens": got["kvtier_tokens"]}
 
 
 def _peer_pid(workdir: Path) -> int:
@@ -334,6 +400,18 @@ def _children(pid: int) -> list[int]:
     with contextlib.suppress(psutil.Error):
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     return []
+
+
+def _still_running(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """The pids still alive ``grace_s`` after the server stopped: a child that exits a moment
+    after its parent (vLLM's ``python`` helper of the API server did, in a control run) is
+    not left running."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = [pid for pid in pids if _alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:
@@ -362,6 +440,8 @@ def print_report(result: dict[str, Any]) -> None:
         )
     for when in ("before", "after"):
         out = result[f"outputs_{when}"]
+        if out is None:
+            continue
         print(
             f"  outputs {when}: {out['same_tokens']}/{out['prompts']} same tokens,"
             f" {out['same_logprobs']}/{out['prompts']} same logprobs (max diff {out['max_logprob_diff']:.2g})"
@@ -369,6 +449,13 @@ def print_report(result: dict[str, Any]) -> None:
         )
     left, shm = result["left_running"] or "nothing", result["left_in_shm"] or "nothing"
     print(f"  left running: {left}; left in /dev/shm: {shm}")
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -382,6 +469,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-blocks", type=int, default=96, help="vLLM's device cache, blocks of 32")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, disk tier)")
+    parser.add_argument(
+        "--no-kvtier", action="store_true", help="the control: vLLM alone under the same client, no peer"
+    )
+    parser.add_argument(
+        "--server-env",
+        metavar="NAME=VALUE",
+        action="append",
+        default=[],
+        type=_env_pair,
+        help="an environment variable for the server (e.g. MALLOC_ARENA_MAX=2); repeatable",
+    )
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.sample_s <= 0 or args.concurrency <= 0 or args.batch <= 0:
         parser.error("--minutes, --sample-s, --concurrency and --batch must be positive")
@@ -402,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = (
         result["failed"] == 0
         and not result["left_running"]
-        and all(result[f"outputs_{w}"]["same_tokens"] == FIXED_PROMPTS for w in ("before", "after"))
+        and all(
+            out is None or out["same_tokens"] == FIXED_PROMPTS
+            for out in (result["outputs_before"], result["outputs_after"])
+        )
     )
     return 0 if ok else 1
 
