@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench import serve_requests
 from bench.report import write_json
 from bench.serve import CONFIGS, Sizes, _peer, engine_missing, engine_version, kvtier_extra
 from bench.ttft import percentile
@@ -35,6 +37,14 @@ log = logging.getLogger(__name__)
 
 DATASETS = ("prefix_repetition", "random")
 WARM_UP = list(range(100, 164))  # token ids no dataset prompt starts with: the first request's costs
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+"""Every row's server reserves one core for vLLM's scheduler process, as vLLM alone does by
+itself. With a ``--kv-transfer-config``, vLLM 0.32's CPU build reserves one more (for NIXL's
+P/D); on a 2-core machine that left the worker every core and two OpenMP threads, which it
+then keeps for serving (``OMP_NUM_THREADS=2 is set``) and which spin-wait beside the
+scheduler's own busy loop. Measured: 3 requests of 96 decode tokens took 1.6-1.8 s each with
+vLLM alone and 6-26 s with kvtier's host tier (and no kvtier hit): the rows then compared
+thread settings, not kvtier."""
 
 
 @dataclass(frozen=True)
@@ -80,23 +90,42 @@ class Load:
         return argv
 
     @property
+    def shared_len(self) -> int:
+        """Tokens a prompt shares with others: its prefix (0: none)."""
+        return self.prefix_len if self.dataset == "prefix_repetition" else self.random_prefix_len
+
+    @property
     def longest_prompt(self) -> int:
         if self.dataset == "prefix_repetition":
             return self.prefix_len + self.suffix_len
         return self.random_prefix_len + self.input_len
 
 
-def run_client(load: Load, port: int, model: str, log_path: Path) -> dict[str, Any]:
-    """vLLM's benchmark client, in this process (its prints go to ``log_path``): its result."""
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.benchmarks.serve import main as client_main
+def run_client(load: Load, port: int, model: str, log_path: Path) -> tuple[dict[str, Any], list[str]]:
+    """vLLM's benchmark client, in this process (its prints go to ``log_path``): its result,
+    and the prompts it sent, in its order (what its per-request records are in)."""
+    from vllm.benchmarks import serve as client_module
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
-    add_cli_args(parser)
+    client_module.add_cli_args(parser)
     args = parser.parse_args(load.client_argv(port, model))
-    with log_path.open("a") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        return client_main(args)
+    sent: list[Any] = []
+    get_samples = client_module.get_samples
+
+    def recording(*given: Any, **named: Any) -> Any:  # the client keeps its samples to itself
+        samples = get_samples(*given, **named)
+        sent.extend(samples)
+        return samples
+
+    client_module.get_samples = recording
+    try:
+        with log_path.open("a") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            result = client_module.main(args)
+    finally:
+        client_module.get_samples = get_samples
+    prompts = [s.prompt if isinstance(s.prompt, str) else " ".join(map(str, s.prompt)) for s in sent]
+    return result, prompts
 
 
 def _hits(metrics: dict[str, float], name: str) -> float:
@@ -119,13 +148,16 @@ def run_row(config: str, load: Load, sizes: Sizes, model_dir: str, workdir: Path
             device_blocks=sizes.device_blocks,
             max_model_len=sizes.max_model_len,
             enforce_eager=sizes.enforce_eager,
+            env=SERVER_ENV,
         )
         server = stack.enter_context(ServerProcess(spec, rowdir / "server.log"))
         server.complete(WARM_UP, max_tokens=2)
         before = server.metrics()
+        load_before = os.getloadavg()[0]
         started = time.monotonic()
-        result = run_client(load, server.port, model_dir, rowdir / "client.log")
+        result, prompts = run_client(load, server.port, model_dir, rowdir / "client.log")
         wall = time.monotonic() - started
+        load_after = os.getloadavg()[0]
         after = server.metrics()
     left = list((rowdir / "shm").iterdir())
     if left:
@@ -138,7 +170,14 @@ def run_row(config: str, load: Load, sizes: Sizes, model_dir: str, workdir: Path
             ("kvtier", "vllm:external_prefix_cache_hits"),
         )
     }
-    return {"start_s": server.start_s, "wall_s": wall, "tokens": tokens, "client": result}
+    return {
+        "start_s": server.start_s,
+        "wall_s": wall,
+        "tokens": tokens,
+        "client": result,
+        "requests": serve_requests.records(result, prompts, load.shared_len),
+        "loadavg": (load_before, load_after),
+    }
 
 
 def row_figures(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -159,6 +198,8 @@ def row_figures(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "requests_per_s": client["request_throughput"],
             "output_tok_s": client["output_throughput"],
             "tokens": row["tokens"],
+            "slowest": serve_requests.slowest(row["requests"]),
+            "loadavg": row["loadavg"],
         }
     alone = figures.get("vllm")
     if alone is not None:
@@ -188,6 +229,10 @@ def print_report(figures: dict[str, dict[str, Any]]) -> None:
             f" {fig['requests_per_s']:6.3f} {fig['failed']:6d} {tokens['device']:10d} {tokens['kvtier']:10d}"
             f" {speed:>22} {rps:>7}"
         )
+    print("\n  slowest requests (the first is the p99 of up to 100; load average before/after the row):")
+    for config, fig in figures.items():
+        slow = "; ".join(serve_requests.describe(r) for r in fig["slowest"])
+        print(f"  {CONFIGS[config]:22} {slow} [load {fig['loadavg'][0]:.1f}/{fig['loadavg'][1]:.1f}]")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -201,9 +246,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-len", type=int, default=Load.prefix_len, help="prefix_repetition")
     parser.add_argument("--suffix-len", type=int, default=Load.suffix_len, help="prefix_repetition")
     parser.add_argument("--num-prefixes", type=int, default=Load.num_prefixes, help="prefix_repetition")
-    parser.add_argument("--input-len", type=int, default=Load.input_len, help="random")
-    parser.add_argument("--random-prefix-len", type=int, default=Load.random_prefix_len, help="random")
-    parser.add_argument("--output-len", type=int, default=Load.output_len)
+    parser.add_argument(
+        "--input-len", "--random-input-len", type=int, default=Load.input_len, help="random: own tokens"
+    )
+    parser.add_argument(
+        "--random-prefix-len", type=int, default=Load.random_prefix_len, help="random: shared tokens"
+    )
+    parser.add_argument("--output-len", "--random-output-len", type=int, default=Load.output_len)
     parser.add_argument(
         "--concurrency", type=int, default=Load.concurrency, help="the client's max concurrency"
     )
@@ -224,6 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("num_prompts", "output_len", "concurrency", "device_blocks", "prefix_len", "input_len"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.random_prefix_len < 0:
+        parser.error("--random-prefix-len must be 0 or more")
     if args.dataset == "prefix_repetition" and args.num_prompts < args.num_prefixes:
         parser.error("--num-prompts must be at least --num-prefixes")
     if args.request_rate <= 0:
@@ -304,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 c: {k: v for k, v in r["client"].items() if k not in ("generated_texts", "itls")}
                 for c, r in rows.items()
             },
+            "requests": {c: [asdict(q) for q in r["requests"]] for c, r in rows.items()},
         },
     )
     failed = {c: f["failed"] for c, f in figures.items() if f["failed"]}

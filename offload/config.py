@@ -11,6 +11,9 @@
     capacity = "8GiB"
     eviction = "adaptive-ghosts"  # the default; or "lru", "arc", ..., or "my_pkg.mod:MyPolicy"
     eviction_params = {}     # keyword arguments of the policy
+    max_promoting_rows = 4096  # host rows promoting at once (default: a quarter, at least 256)
+    max_spilling_rows = 2048   # host rows being copied down at once (default: an eighth, at least 16)
+    slow_tier_pause_s = 10.0   # a tier that failed a promotion whole and slowly promotes nothing
 
     [[tiers]]
     kind = "disk"
@@ -142,10 +145,11 @@ class KVTierConfig:
 
 
 _COMMON_KEYS = {"kind", "capacity", "eviction", "eviction_params"}
+_HOST_KEYS = {"max_promoting_rows", "max_spilling_rows", "slow_tier_pause_s"}
 _LOWER_KEYS = {"placement", "admission", "promotion"}
 _NETWORK_KEYS = {"deadline_s", "lookup_wait_s"}
 _KIND_KEYS = {
-    "host": set(),
+    "host": _HOST_KEYS,
     "disk": {"path", "sync"} | _LOWER_KEYS,
     "remote": {"peers", "token_file", "peer_tenant", "checksum_thread"} | _LOWER_KEYS | _NETWORK_KEYS,
     "mooncake": {
@@ -163,6 +167,8 @@ _KIND_KEYS = {
 }
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 MAX_REPLICAS = 64  # more copies than a cluster has machines is a typo (and overflows the store's int)
+MAX_INFLIGHT_ROWS = 1 << 30  # more rows than any host tier holds (8 PiB of 8 MiB rows): a typo
+MAX_PAUSE_S = 3600.0  # an hour without promotions from a tier is an outage, not a pause
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
@@ -249,8 +255,31 @@ def parse_tier(raw: Any, where: str) -> TierSettings:
     _check_policy(eviction, dict(params), where)
     common["eviction_params"] = dict(params)
     if kind == "host":
-        return HostSettings(**common)
+        return HostSettings(**common, **_host_keys(raw, where))
     return _PARSERS[kind](raw, where, common | _lower_keys(raw, where))
+
+
+def _host_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The bounds on the host rows lower tiers hold, those given only (the defaults are a
+    share of the host rows, which are known once the rows' size is: ``offload.manager``)."""
+    keys: dict[str, Any] = {}
+    for key in ("max_promoting_rows", "max_spilling_rows"):
+        if key in raw:
+            rows = raw[key]
+            if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_INFLIGHT_ROWS:
+                raise ConfigError(
+                    f"{where}.{key} = {rows!r}: expected a number of host rows in [1, {MAX_INFLIGHT_ROWS}]"
+                )
+            keys[key] = rows
+    if "slow_tier_pause_s" in raw:
+        pause = raw["slow_tier_pause_s"]
+        if isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause <= MAX_PAUSE_S:
+            raise ConfigError(
+                f"{where}.slow_tier_pause_s = {pause!r}: expected seconds in [0, {MAX_PAUSE_S:g}]"
+                " (0: never pause)"
+            )
+        keys["slow_tier_pause_s"] = float(pause)
+    return keys
 
 
 def _lower_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:

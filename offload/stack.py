@@ -57,6 +57,8 @@ def build_manager(
         lambda capacity: make_policy(host_cfg.eviction, capacity, **host_cfg.eviction_params),
         lower=lower,
         host_row=(lambda group, slot: memoryview(host_rows[group][slot])) if lower else None,
+        max_promoting_rows=host_cfg.max_promoting_rows,
+        max_spilling_rows=host_cfg.max_spilling_rows,
     )
 
 
@@ -95,4 +97,5 @@ def _start_lower_tiers(
     )
     engine.start(memoryview(host.buffer.numpy()))
     wait = max(tier.lookup_wait_s for tier in tier_configs)
-    return LowerTierChain(tiers, placements, engine, lookup_wait_s=wait)
+    pause = config.host.slow_tier_pause_s
+    return LowerTierChain(tiers, placements, engine, lookup_wait_s=wait, pause_s=pause)

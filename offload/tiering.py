@@ -121,7 +121,10 @@ class LowerTierChain:
         engine: TierEngine,
         lookup_wait_s: float = 0.0,
         retry_failed_s: float = RETRY_FAILED_PROMOTIONS_S,
+        pause_s: float | None = None,
     ) -> None:
+        """``pause_s``: how long a tier that failed a promotion whole and slowly promotes
+        nothing (``None``: ``SLOW_TIER_PAUSE_S``; 0: never paused)."""
         if len(tiers) != len(placements):
             raise ValueError(f"{len(tiers)} tiers but {len(placements)} placements")
         self.tiers = list(tiers)
@@ -141,7 +144,7 @@ class LowerTierChain:
         self._promotions: dict[int, list[Row]] = {}  # per tier: queued until send
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # key -> when its promotion failed
         self.slow_get_s = engine.deadline_s / 2 if hasattr(engine, "deadline_s") else 1.0
-        self.pause_s = SLOW_TIER_PAUSE_S
+        self.pause_s = SLOW_TIER_PAUSE_S if pause_s is None else pause_s
         self._paused_until: dict[int, float] = {}  # tier -> until when it promotes nothing
         self._observers: list[TierObserver] = []
 
@@ -340,7 +343,9 @@ class LowerTierChain:
 
     def _pause(self, tier: int, seconds: float) -> None:
         """``tier`` failed a whole promotion after ``seconds``: no promotions from it for
-        ``pause_s`` (``SLOW_TIER_PAUSE_S``)."""
+        ``pause_s`` (``SLOW_TIER_PAUSE_S``; 0: never paused, nor counted as a pause)."""
+        if self.pause_s <= 0:
+            return
         if tier not in self._paused_until:
             log.warning(
                 "%s tier: a promotion failed after %.1f s; promoting nothing from it for %.0f s",

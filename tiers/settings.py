@@ -35,11 +35,24 @@ class TierSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class HostSettings(TierSettings):
-    """The host tier (the first): size and eviction only (``adaptive`` unless named:
-    ``policies.registry.DEFAULT_POLICY``)."""
+    """The host tier (the first): size and eviction (``adaptive`` unless named:
+    ``policies.registry.DEFAULT_POLICY``), and the bounds on what the tiers below may hold of
+    it, read by ``offload.stack`` (they bound host rows, so they are the host tier's keys):
+
+    - ``max_promoting_rows``: host rows being promoted into at once;
+    - ``max_spilling_rows``: host rows being copied down at once;
+    - ``slow_tier_pause_s``: how long a lower tier that failed a promotion whole and slowly
+      promotes nothing.
+
+    ``None``: ``offload``'s defaults (``offload.manager.PROMOTING_*`` / ``SPILLING_*``, a
+    share of the host rows; ``offload.tiering.SLOW_TIER_PAUSE_S``).
+    """
 
     kind: ClassVar[str] = "host"
     eviction: str = DEFAULT_POLICY
+    max_promoting_rows: int | None = None
+    max_spilling_rows: int | None = None
+    slow_tier_pause_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from offload.config import ConfigError, load_config, parse_config, parse_size, parse_tier
@@ -334,3 +336,32 @@ def test_a_disk_tiers_sync_is_a_bool_and_reaches_the_tier(tmp_path):
     base["tiers"][1]["sync"] = "yes"
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.sync = 'yes'"):
         parse_config(base)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        *(
+            ("max_promoting_rows", v, r"expected a number of host rows in \[1, 1073741824\]")
+            for v in (0, -3, 1.5)
+        ),
+        ("max_promoting_rows", True, "expected a number of host rows"),
+        ("max_spilling_rows", "16", "expected a number of host rows"),
+        ("max_spilling_rows", 1 << 31, "expected a number of host rows"),
+        *(("slow_tier_pause_s", v, r"expected seconds in \[0, 3600\]") for v in (-1, 3601, "10s", False)),
+    ],
+)
+def test_the_host_tiers_in_flight_bounds_are_range_checked_naming_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=rf"tiers\[0\]\.{key} = {re.escape(repr(value))}: {message}"):
+        parse_config({"tiers": [{"kind": "host", "capacity": "1GiB", key: value}]})
+
+
+def test_the_in_flight_bounds_are_host_keys_and_default_to_none():
+    host = parse_config({"tiers": [{"kind": "host", "capacity": "1GiB"}]}).host
+    assert (host.max_promoting_rows, host.max_spilling_rows, host.slow_tier_pause_s) == (None, None, None)
+    bounds = {"max_promoting_rows": 300, "max_spilling_rows": 20, "slow_tier_pause_s": 0}
+    host = parse_config({"tiers": [{"kind": "host", "capacity": "1GiB", **bounds}]}).host
+    assert (host.max_promoting_rows, host.max_spilling_rows, host.slow_tier_pause_s) == (300, 20, 0.0)
+    disk = {"kind": "disk", "capacity": "1GiB", "path": "/x", "max_spilling_rows": 20}
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.max_spilling_rows = 20: unknown key"):
+        parse_config({"tiers": [{"kind": "host", "capacity": "1GiB"}, disk]})

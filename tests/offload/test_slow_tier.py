@@ -168,3 +168,17 @@ def test_a_tier_slower_than_its_deadline_is_paused_and_its_lookups_miss(offloade
     manager.lower.pause_s = 0.0
     manager.lower._paused_until.clear()  # the pause is over: promoted again
     assert manager.lookup(keys[1]) is Lookup.HIT_PENDING
+
+
+def test_the_bounds_and_the_pause_are_the_host_tiers_keys(tmp_path, layout):  # noqa: F811 - the fixture
+    kv, groups, row = layout
+    settings = config(tmp_path / "defaults", 8, row)
+    with Offloader(kv, groups, settings) as offloader:  # unset: a share of the 8 host rows, 10 s
+        manager = offloader.manager
+        assert (manager.max_promoting_rows, manager.max_spilling_rows, manager.lower.pause_s) == (8, 16, 10.0)
+    settings = config(tmp_path / "set", 8, row)
+    settings["tiers"][0].update(max_promoting_rows=3, max_spilling_rows=2, slow_tier_pause_s=0.5)
+    with Offloader(kv, groups, settings) as offloader:
+        manager = offloader.manager
+        assert (manager.max_promoting_rows, manager.max_spilling_rows, manager.lower.pause_s) == (3, 2, 0.5)
+        assert 'kvtier_inflight_rows_max{op="promote"} 3' in offloader.metrics_text()

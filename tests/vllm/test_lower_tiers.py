@@ -196,3 +196,21 @@ def test_with_lookup_wait_a_prefix_another_engine_put_loads_on_the_first_request
         else:
             assert steps == 1
         engine.run()
+
+
+def test_the_host_tiers_in_flight_bounds_reach_the_manager_from_kvtier_config(make_engine, tmp_path):
+    path = tmp_path / "bounds.toml"
+    path.write_text(f"""
+[[tiers]]
+kind = "host"
+max_promoting_rows = 5
+max_spilling_rows = 3
+slow_tier_pause_s = 2.5
+
+[[tiers]]
+kind = "disk"
+path = "{tmp_path / "disk"}"
+capacity = "64MiB"
+""")
+    manager = make_engine(kvtier_config=str(path)).manager.manager
+    assert (manager.max_promoting_rows, manager.max_spilling_rows, manager.lower.pause_s) == (5, 3, 2.5)
