@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.report import write_json
 from bench.serve import Sizes, _peer
-from bench.serve_client import WARM_UP, Load, run_client
+from bench.serve_client import SERVER_ENV, WARM_UP, Load, run_client
 from bench.serve_workloads import document
 from bench.vllm_server import ServerProcess, ServerSpec, stop_on_sigterm
 
@@ -284,7 +284,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=sizes.block_size,
                 device_blocks=sizes.device_blocks,
                 max_model_len=sizes.max_model_len,
-                env=dict(args.server_env),
+                env={**SERVER_ENV, **dict(args.server_env)},  # the core vLLM alone reserves
             )
             print(
                 "vllm serve alone (the control) ..."
