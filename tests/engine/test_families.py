@@ -179,6 +179,22 @@ def assert_a_corrupt_state_row_is_a_miss_for_the_whole_prefix(engine: Any, disk:
     assert "corrupt row" in engine.log_path.read_text(errors="replace")
 
 
+def from_device_then_host(engine: Any, prefix: int) -> tuple[Any, Any]:
+    """``(cold, reference)``: ``DOC`` computed, answered again from vLLM's device
+    prefix cache (the reference), then, that cache reset, with its ``prefix`` loaded whole
+    from kvtier's host tier, token- and logprob-exact against the reference."""
+    cold = engine.generate([DOC])[0]
+    assert cold.num_cached_tokens == 0
+    reference = engine.generate([DOC])[0]
+    assert reference.num_cached_tokens == prefix
+    assert reference.external_cached_tokens == 0, "the device prefix cache, not kvtier"
+    assert engine.reset_prefix_cache()
+    from_host = engine.generate([DOC])[0]
+    assert from_host.external_cached_tokens == prefix, "the whole prefix from kvtier's host tier"
+    assert_exact(from_host, reference)
+    return cold, reference
+
+
 def assert_close(actual: Any, expected: Any) -> None:
     assert actual.tokens == expected.tokens
     assert max(abs(a - b) for a, b in zip(actual.logprobs, expected.logprobs, strict=True)) < (
@@ -194,21 +210,15 @@ def test_a_family_comes_back_exact_from_the_host_then_the_disk_tier(
     prefix = blocks(block) * block
     engine = start(name, make_engine, families_dir, tiers_config)
 
-    cold = engine.generate([DOC])[0]
-    assert cold.num_cached_tokens == 0
     if name in MLA:
+        cold = engine.generate([DOC])[0]
+        assert cold.num_cached_tokens == 0
         # No device prefix cache: the second run's prefix is kvtier's host tier already.
-        from_host = engine.generate([DOC])[0]
-        reference = from_host
-        assert_close(from_host, cold)
-    else:
         reference = engine.generate([DOC])[0]
-        assert reference.num_cached_tokens == prefix
-        assert reference.external_cached_tokens == 0, "the device prefix cache, not kvtier"
-        assert engine.reset_prefix_cache()
-        from_host = engine.generate([DOC])[0]
-    assert from_host.external_cached_tokens == prefix, "the whole prefix from kvtier's host tier"
-    assert_exact(from_host, reference)
+        assert reference.external_cached_tokens == prefix, "the whole prefix from kvtier's host tier"
+        assert_close(reference, cold)
+    else:
+        cold, reference = from_device_then_host(engine, prefix)
     assert engine.kvtier_stats()["loaded_rows_by_tier"] == {"host": rows}
 
     lower_tiers = len(tiers_config["tiers"]) - 1

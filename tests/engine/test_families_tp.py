@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 
 from bench.tiny_families import FAMILIES, write_family
-from tests.engine.test_families import DOC, EXPECTED, MAX_MODEL_LEN, OTHER, blocks
-from tests.engine.test_real_engine import assert_exact
+from tests.engine.test_families import DOC, EXPECTED, MAX_MODEL_LEN, OTHER, blocks, from_device_then_host
 
 TP = 2
 STATE = {"qwen3-next": "MambaSpec", "nemotron-h": "MambaSpec"}
@@ -59,16 +58,8 @@ def test_a_family_at_tensor_parallel_2_comes_back_exact_each_rank_from_its_own_b
     prefix = blocks(block) * block
     engine = start(name, make_engine, families_dir)
 
-    cold = engine.generate([DOC])[0]
-    assert cold.num_cached_tokens == 0
-    reference = engine.generate([DOC])[0]
-    assert reference.num_cached_tokens == prefix
-    assert reference.external_cached_tokens == 0, "the device prefix cache, not kvtier"
-    assert engine.reset_prefix_cache()
-    from_host = engine.generate([DOC])[0]
+    _cold, reference = from_device_then_host(engine, prefix)
 
-    assert from_host.external_cached_tokens == prefix, "the whole prefix from kvtier's host tier"
-    assert_exact(from_host, reference)
     assert engine.kvtier_stats()["loaded_rows_by_tier"] == {"host": rows}
     rotated = STATE.get(name, "AttentionSpec")
     bands = engine.row_bands(rotated, TP)
