@@ -82,6 +82,24 @@ class Sizes:
             enforce_eager=self.enforce_eager,
         )
 
+    def server_spec(
+        self, model_dir: str, kvtier: dict[str, Any] | None, env: dict[str, str] | None = None
+    ) -> Any:
+        """The ``ServerSpec`` of one ``vllm serve`` row: these sizes, ``kvtier``'s extra config
+        (``None``: vLLM alone), ``env`` for the server's processes."""
+        from bench.vllm_server import ServerSpec
+
+        return ServerSpec(
+            model_dir,
+            kvtier=kvtier,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            device_blocks=self.device_blocks,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
+            env=dict(env or {}),
+        )
+
 
 # -- running -------------------------------------------------------------------------------
 

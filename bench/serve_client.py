@@ -134,22 +134,13 @@ def _hits(metrics: dict[str, float], name: str) -> float:
 
 def run_row(config: str, load: Load, sizes: Sizes, model_dir: str, workdir: Path) -> dict[str, Any]:
     """One ``vllm serve`` for ``config``; the client's run through it; the server's counters."""
-    from bench.vllm_server import ServerProcess, ServerSpec
+    from bench.vllm_server import ServerProcess
 
     rowdir = workdir / config
     (rowdir / "shm").mkdir(parents=True)
     with contextlib.ExitStack() as stack:
         peer = stack.enter_context(_peer(rowdir, sizes)) if config == "peer" else None
-        spec = ServerSpec(
-            model_dir,
-            kvtier=kvtier_extra(config, sizes, rowdir, peer),
-            dtype=sizes.dtype,
-            block_size=sizes.block_size,
-            device_blocks=sizes.device_blocks,
-            max_model_len=sizes.max_model_len,
-            enforce_eager=sizes.enforce_eager,
-            env=SERVER_ENV,
-        )
+        spec = sizes.server_spec(model_dir, kvtier_extra(config, sizes, rowdir, peer), SERVER_ENV)
         server = stack.enter_context(ServerProcess(spec, rowdir / "server.log"))
         server.complete(WARM_UP, max_tokens=2)
         before = server.metrics()

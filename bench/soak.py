@@ -41,7 +41,7 @@ from bench.report import write_json
 from bench.serve import Sizes, _peer
 from bench.serve_client import SERVER_ENV, WARM_UP, Load, run_client
 from bench.serve_workloads import document
-from bench.vllm_server import ServerProcess, ServerSpec, stop_on_sigterm
+from bench.vllm_server import ServerProcess, stop_on_sigterm
 
 FIXED_PROMPTS = 4
 FIXED_TOKENS = 1000  # not a multiple of the block: the last partial block is computed in both runs
@@ -204,13 +204,7 @@ def answer_fixed(server: ServerProcess, prompts: list[list[int]]) -> list[dict[s
 
 def reference(sizes: Sizes, model_dir: str, prompts: list[list[int]], workdir: Path) -> list[dict[str, Any]]:
     """vLLM alone's answers with each prompt's prefix found in its device prefix cache."""
-    spec = ServerSpec(
-        model_dir,
-        dtype=sizes.dtype,
-        block_size=sizes.block_size,
-        device_blocks=sizes.device_blocks,
-        max_model_len=sizes.max_model_len,
-    )
+    spec = sizes.server_spec(model_dir, kvtier=None)
     with ServerProcess(spec, workdir / "reference.log") as server:
         server.complete(WARM_UP, max_tokens=2)
         answers = []
@@ -277,15 +271,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 peer = stack.enter_context(_peer(workdir, replace(sizes, lower_bytes=tiers.peer_bytes)))
                 peer_pid = _peer_pid(workdir)
                 extra = _kvtier_extra(tiers, workdir, shm_dir, peer)
-            spec = ServerSpec(
-                model_dir,
-                kvtier=extra,
-                dtype=sizes.dtype,
-                block_size=sizes.block_size,
-                device_blocks=sizes.device_blocks,
-                max_model_len=sizes.max_model_len,
-                env={**SERVER_ENV, **dict(args.server_env)},  # the core vLLM alone reserves
-            )
+            # the core vLLM alone reserves, unless --server-env says otherwise
+            spec = sizes.server_spec(model_dir, extra, {**SERVER_ENV, **dict(args.server_env)})
             print(
                 "vllm serve alone (the control) ..."
                 if args.no_kvtier
