@@ -265,20 +265,11 @@ def _host_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for key in ("max_promoting_rows", "max_spilling_rows"):
         if key in raw:
-            rows = raw[key]
-            if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_INFLIGHT_ROWS:
-                raise ConfigError(
-                    f"{where}.{key} = {rows!r}: expected a number of host rows in [1, {MAX_INFLIGHT_ROWS}]"
-                )
-            keys[key] = rows
+            keys[key] = _count(raw, key, where, 1, maximum=MAX_INFLIGHT_ROWS, what="host rows")
     if "slow_tier_pause_s" in raw:
-        pause = raw["slow_tier_pause_s"]
-        if isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause <= MAX_PAUSE_S:
-            raise ConfigError(
-                f"{where}.slow_tier_pause_s = {pause!r}: expected seconds in [0, {MAX_PAUSE_S:g}]"
-                " (0: never pause)"
-            )
-        keys["slow_tier_pause_s"] = float(pause)
+        keys["slow_tier_pause_s"] = _seconds(
+            raw, "slow_tier_pause_s", where, 0.0, maximum=MAX_PAUSE_S, zero=" (0: never pause)"
+        )
     return keys
 
 
@@ -350,11 +341,7 @@ def _parse_mooncake(raw: Mapping[str, Any], where: str, common: dict[str, Any]) 
             f"{where}.capacity = {common['capacity_bytes']!r}: the segment mounted into Mooncake Store "
             "must be at least 16MiB"
         )
-    replicas = raw.get("replicas", 1)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
-        raise ConfigError(
-            f"{where}.replicas = {replicas!r}: expected a number of copies in [1, {MAX_REPLICAS}]"
-        )
+    replicas = _count(raw, "replicas", where, 1, maximum=MAX_REPLICAS, what="copies")
     deadline = _seconds(raw, "deadline_s", where, 2.0, maximum=30.0)
     local_hostname = ""  # unset: the tier takes this machine's address on the route to the master
     if "local_hostname" in raw:
@@ -405,19 +392,29 @@ def _address(value: Any, message: str) -> Address:
         raise ConfigError(message) from None
 
 
-def _seconds(raw: Mapping[str, Any], key: str, where: str, default: float, *, maximum: float) -> float:
-    """A deadline: seconds in (0, ``maximum``]."""
+def _seconds(
+    raw: Mapping[str, Any], key: str, where: str, default: float, *, maximum: float, zero: str | None = None
+) -> float:
+    """Seconds in (0, ``maximum``] (a deadline), or in [0, ``maximum``] where ``zero`` is
+    given: what 0 means, said in the error (``""``: nothing to say)."""
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= maximum:
-        raise ConfigError(f"{where}.{key} = {value!r}: expected seconds in (0, {maximum:g}]")
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not (0 < value <= maximum if zero is None else 0 <= value <= maximum):
+        interval = f"(0, {maximum:g}]" if zero is None else f"[0, {maximum:g}]{zero}"
+        raise ConfigError(f"{where}.{key} = {value!r}: expected seconds in {interval}")
     return float(value)
 
 
+def _count(raw: Mapping[str, Any], key: str, where: str, default: int, *, maximum: int, what: str) -> int:
+    """A whole number of ``what`` in [1, ``maximum``] (a bool is not one)."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigError(f"{where}.{key} = {value!r}: expected a number of {what} in [1, {maximum}]")
+    return value
+
+
 def _lookup_wait(raw: Mapping[str, Any], where: str) -> float:
-    wait = raw.get("lookup_wait_s", 0.0)
-    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 10:
-        raise ConfigError(f"{where}.lookup_wait_s = {wait!r}: expected seconds in [0, 10]")
-    return float(wait)
+    return _seconds(raw, "lookup_wait_s", where, 0.0, maximum=10, zero="")
 
 
 def _check_policy(name: str, params: dict[str, Any], where: str) -> None:
