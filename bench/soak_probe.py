@@ -29,8 +29,10 @@ from typing import Any
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """This process's resident bytes, as the soak reads a process's (its kinds summed)."""
+    from bench.soak import _rss_kinds
+
+    return sum(_rss_kinds(os.getpid()).values())
 
 
 def _batch(seed: int, batch: int, prefix_len: int, suffix_len: int) -> list[list[int]]:
